@@ -1,0 +1,69 @@
+"""Prometheus metrics of one shim engine (`pdgate_shim_` prefix) on an injected registry."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_P = "pdgate_shim_"
+
+
+@dataclass(frozen=True)
+class ShimMetrics:
+    """Built once per engine process (or per test) and passed to the parts that record."""
+
+    registry: CollectorRegistry
+    requests: Counter
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    blocks_total: Gauge
+    blocks_free: Gauge
+    blocks_leased: Gauge
+    kv_transfer_bytes: Counter
+    kv_transfer_seconds: Histogram
+    kv_transfers: Counter
+    kv_transfer_failures: Counter
+    handshakes: Counter
+    leases_expired: Counter
+    leases_released: Counter
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry | None = None) -> ShimMetrics:
+        reg = registry or CollectorRegistry()
+        return cls(
+            registry=reg,
+            requests=Counter(_P + "requests", "Requests served", ["role", "status"], registry=reg),
+            prompt_tokens=Counter(_P + "prompt_tokens", "Prompt tokens computed", registry=reg),
+            generation_tokens=Counter(
+                _P + "generation_tokens", "Tokens generated", registry=reg
+            ),
+            blocks_total=Gauge(_P + "kv_blocks_total", "KV blocks in the pool", registry=reg),
+            blocks_free=Gauge(_P + "kv_blocks_free", "KV blocks free", registry=reg),
+            blocks_leased=Gauge(
+                _P + "kv_blocks_leased", "KV blocks pinned for a remote decode", registry=reg
+            ),
+            kv_transfer_bytes=Counter(
+                _P + "kv_transfer_bytes", "KV bytes moved by NIXL", ["op"], registry=reg
+            ),
+            kv_transfer_seconds=Histogram(
+                _P + "kv_transfer_seconds", "Duration of one request's KV transfer", ["op"],
+                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+                registry=reg,
+            ),
+            kv_transfers=Counter(_P + "kv_transfers", "KV transfers done", ["op"], registry=reg),
+            kv_transfer_failures=Counter(
+                _P + "kv_transfer_failures", "KV transfers failed", ["op", "reason"],
+                registry=reg,
+            ),
+            handshakes=Counter(
+                _P + "handshakes", "Side-channel handshakes", ["result"], registry=reg
+            ),
+            leases_expired=Counter(
+                _P + "kv_leases_expired", "Pinned blocks freed by lease expiry", registry=reg
+            ),
+            leases_released=Counter(
+                _P + "kv_leases_released", "Pinned blocks freed by the reader's notice",
+                registry=reg,
+            ),
+        )

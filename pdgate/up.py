@@ -1,0 +1,292 @@
+"""`pdgate up`: a local xPyD cluster of shim engines and a router, in the foreground.
+
+Children run in their own sessions so a Ctrl-C in the terminal reaches only this process,
+which then stops them in order (router first, so no request is routed to a dying engine)
+and waits for every PID it started. Their logs go to files so the console stays readable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEMO_PROMPT = "The quick brown fox"
+
+
+@dataclass
+class Child:
+    """One process this command started, with where its output goes."""
+
+    name: str
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
+@dataclass
+class Cluster:
+    """The processes of one `pdgate up`; `stop()` ends all of them."""
+
+    log_dir: Path
+    children: list[Child] = field(default_factory=list)
+
+    def spawn(self, name: str, url: str, argv: list[str]) -> Child:
+        log = self.log_dir / f"{name}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        child = Child(name, url, proc, log)
+        self.children.append(child)
+        return child
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        # Router first: it stops taking requests before the engines go away.
+        for child in reversed(self.children):
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+            _wait_or_kill(child.proc, grace_s)
+
+    def dead_child(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+
+def _wait_or_kill(proc: subprocess.Popen[bytes], grace_s: float) -> None:
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdgate up",
+        description="Start a local P/D cluster (shim engines + router) in the foreground.",
+    )
+    p.add_argument("--prefill", type=int, default=1, help="number of prefill engines")
+    p.add_argument("--decode", type=int, default=1, help="number of decode engines")
+    p.add_argument(
+        "--model", default="tiny",
+        help="'tiny' (built-in random-weight model) or a local HF model directory",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address every process binds")
+    p.add_argument("--port", type=int, default=8000, help="router port")
+    p.add_argument(
+        "--engine-port-base", type=int, default=8100,
+        help="first engine HTTP port; engine i uses base+i",
+    )
+    p.add_argument(
+        "--side-channel-port-base", type=int, default=5600,
+        help="first NIXL side-channel port; engine i uses base+i",
+    )
+    p.add_argument("--device", default="cpu", help="engine device: cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default=None, help="engine dtype (default: float32 on cpu)")
+    p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
+    p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per engine")
+    p.add_argument(
+        "--pd-mode", choices=["pull"], default="pull",
+        help="P/D flow (pull: vLLM NixlConnector; decode engine READs prefill's KV)",
+    )
+    p.add_argument("--prefill-policy", default="round-robin", help="prefill-leg policy")
+    p.add_argument("--decode-policy", default="round-robin", help="decode-leg policy")
+    p.add_argument("--log-dir", default=None, help="where process logs go (default: a temp dir)")
+    p.add_argument(
+        "--startup-timeout", type=float, default=180.0,
+        help="seconds to wait for every process to become ready",
+    )
+    p.add_argument("--no-demo", action="store_true", help="skip the sample request")
+    p.add_argument(
+        "--exit-after-demo", action="store_true",
+        help="stop the cluster after the sample request (exit code says if it worked)",
+    )
+    return p
+
+
+def _engine_argv(args: argparse.Namespace, model: str, name: str, i: int) -> list[str]:
+    argv = [
+        sys.executable, "-m", "engine_shim",
+        "--model", model, "--served-model-name", _served_name(args),
+        "--host", args.host, "--port", str(args.engine_port_base + i),
+        "--device", args.device, "--block-size", str(args.block_size),
+        "--num-blocks", str(args.num_blocks), "--engine-id", name,
+        "--side-channel-host", args.host,
+        "--side-channel-port", str(args.side_channel_port_base + i),
+    ]
+    if args.dtype:
+        argv += ["--dtype", args.dtype]
+    return argv
+
+
+def _router_argv(args: argparse.Namespace, model_dir: str, engines: list[Child]) -> list[str]:
+    argv = [
+        sys.executable, "-m", "router", "--host", args.host, "--port", str(args.port),
+        "--model", _served_name(args), "--tokenizer", model_dir,
+        "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy,
+    ]
+    for child in engines:
+        role = "--prefill" if child.name.startswith("prefill") else "--decode"
+        argv += [role, child.url]
+    return argv
+
+
+def _served_name(args: argparse.Namespace) -> str:
+    if args.model == "tiny":
+        from engine_shim.tiny import TINY_MODEL_NAME
+
+        return TINY_MODEL_NAME
+    return Path(args.model).name
+
+
+def _resolve_model(args: argparse.Namespace) -> str:
+    if args.model != "tiny":
+        return str(Path(args.model).resolve())
+    # Built once here so the engines and the router do not race to build it.
+    from engine_shim.tiny import ensure_tiny_model
+
+    return str(ensure_tiny_model())
+
+
+def _http_json(url: str, body: dict[str, object] | None = None, timeout: float = 5.0) -> tuple[
+    int, dict[str, object], dict[str, str]
+]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}"), dict(resp.headers)
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}"), dict(err.headers)
+
+
+def _wait_ready(cluster: Cluster, child: Child, path: str, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        dead = cluster.dead_child()
+        if dead is not None:
+            raise RuntimeError(f"{dead.name} exited with {dead.proc.returncode}; see {dead.log}")
+        try:
+            if _http_json(child.url + path, timeout=1.0)[0] == 200:
+                return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{child.name} not ready after the startup timeout; see {child.log}")
+
+
+def _kv_read_bytes(url: str) -> float:
+    """Sum of the engine's NIXL READ bytes counter, from its Prometheus text."""
+    try:
+        with urllib.request.urlopen(url + "/metrics", timeout=2.0) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return 0.0
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("pdgate_shim_kv_transfer_bytes_total") and 'op="read"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def run_demo(args: argparse.Namespace, router_url: str, engines: list[Child]) -> bool:
+    """Send one completion through the P/D path and print what happened."""
+    decoders = [c for c in engines if c.name.startswith("decode")]
+    before = sum(_kv_read_bytes(c.url) for c in decoders)
+    body = {"model": _served_name(args), "prompt": DEMO_PROMPT, "max_tokens": 16,
+            "temperature": 0}
+    status, reply, headers = _http_json(router_url + "/v1/completions", body, timeout=60.0)
+    moved = sum(_kv_read_bytes(c.url) for c in decoders) - before
+    if status != 200:
+        print(f"sample request failed: HTTP {status}: {reply}", flush=True)
+        return False
+    choices = reply.get("choices") or [{}]
+    text = choices[0].get("text", "") if isinstance(choices, list) else ""
+    print(f"\nsample request  : {DEMO_PROMPT!r}\nanswer          : {text!r}")
+    print(f"prefill engine  : {headers.get('x-pdgate-prefill-engine', '?')}")
+    print(f"decode engine   : {headers.get('x-pdgate-decode-engine', '?')}")
+    print(f"KV bytes moved  : {int(moved)} (NIXL READ, decode <- prefill)")
+    print(f"usage           : {reply.get('usage')}", flush=True)
+    return moved > 0
+
+
+def _print_curl(args: argparse.Namespace, router_url: str) -> None:
+    body = json.dumps({"model": _served_name(args), "prompt": "Hello", "max_tokens": 16})
+    print(
+        f"\nrouter serving on {router_url}; try:\n"
+        f"  curl -s {router_url}/v1/completions -H 'Content-Type: application/json' "
+        f"-d '{body}'\nCtrl-C stops the cluster.",
+        flush=True,
+    )
+
+
+def start_cluster(args: argparse.Namespace, cluster: Cluster) -> str:
+    model_dir = _resolve_model(args)
+    roles = [("prefill", n) for n in range(args.prefill)] + [
+        ("decode", n) for n in range(args.decode)
+    ]
+    engines = []
+    for i, (role, n) in enumerate(roles):
+        name, url = f"{role}-{n}", f"http://{args.host}:{args.engine_port_base + i}"
+        engines.append(cluster.spawn(name, url, _engine_argv(args, model_dir, name, i)))
+    router_url = f"http://{args.host}:{args.port}"
+    router = cluster.spawn("router", router_url, _router_argv(args, model_dir, engines))
+    deadline = time.monotonic() + args.startup_timeout
+    for child in engines:
+        _wait_ready(cluster, child, "/health", deadline)
+    _wait_ready(cluster, router, "/ready", deadline)
+    return router_url
+
+
+def _serve_forever(cluster: Cluster) -> int:
+    while True:
+        dead = cluster.dead_child()
+        if dead is not None:
+            print(f"{dead.name} exited ({dead.proc.returncode}); see {dead.log}", flush=True)
+            return 1
+        time.sleep(0.5)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop(signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.prefill < 1 or args.decode < 1:
+        print("pdgate up: need at least one prefill and one decode engine", file=sys.stderr)
+        return 2
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdgate-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(log_dir)
+    signal.signal(signal.SIGTERM, _raise_stop)
+    signal.signal(signal.SIGINT, _raise_stop)
+    print(f"pdgate up: {args.prefill}P{args.decode}D, logs in {log_dir}", flush=True)
+    try:
+        router_url = start_cluster(args, cluster)
+        ok = args.no_demo or run_demo(args, router_url, cluster.children[:-1])
+        if args.exit_after_demo:
+            return 0 if ok else 1
+        _print_curl(args, router_url)
+        return _serve_forever(cluster)
+    except _Stop:
+        return 0
+    except RuntimeError as err:
+        print(f"pdgate up: {err}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        print("stopping cluster...", flush=True)
+        cluster.stop()

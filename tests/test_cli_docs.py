@@ -1,0 +1,37 @@
+"""The README's CLI reference is generated from the parsers; a stale README fails here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from pdgate import cli_docs
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_readme_cli_reference_matches_help() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert cli_docs.replace_section(readme, cli_docs.render()) == readme, (
+        "README CLI reference is stale: run `python -m pdgate.cli_docs --write README.md`"
+    )
+
+
+def test_every_subcommand_has_help() -> None:
+    for sub in ("router", "shim", "up"):
+        out = subprocess.run(
+            [sys.executable, "-m", "pdgate.cli", sub, "--help"],
+            capture_output=True, text=True, timeout=60, cwd=ROOT,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "usage:" in out.stdout
+
+
+def test_unknown_subcommand_is_rejected() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "pdgate.cli", "frobnicate"],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )
+    assert out.returncode == 2
+    assert "unknown subcommand" in out.stderr

@@ -1,0 +1,136 @@
+"""Starts a real local cluster with `pdgate up` (shim engines + router) for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _ports_free(base: int, count: int) -> bool:
+    for port in range(base, base + count):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def free_port_range(count: int) -> int:
+    """A base port with `count` consecutive free ports (the cluster numbers its engines)."""
+    for _ in range(200):
+        base = random.randrange(20000, 40000)
+        if _ports_free(base, count):
+            return base
+    raise RuntimeError("no free port range")
+
+
+def child_pids(pid: int) -> list[int]:
+    """PIDs whose parent is `pid` (from /proc; no psutil needed)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@dataclass
+class Cluster:
+    """One running `pdgate up` and the URLs of its parts."""
+
+    proc: subprocess.Popen[str]
+    router: str
+    prefill: list[str]
+    decode: list[str]
+    log_dir: Path
+    model: str = "pdgate-tiny"
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}"
+                         for p in sorted(self.log_dir.glob("*.log")))
+
+
+def start_cluster(tmp: Path, model_dir: Path, *, prefill: int = 1, decode: int = 1,
+                  block_size: int = 4, demo: bool = False, extra: list[str] | None = None,
+                  timeout: float = 180.0) -> Cluster:
+    n = prefill + decode
+    base = free_port_range(2 * n + 1)
+    router_port, engine_base, side_base = base, base + 1, base + 1 + n
+    log_dir = tmp / "logs"
+    argv = [sys.executable, "-m", "pdgate.cli", "up", "--model", str(model_dir),
+            "--prefill", str(prefill), "--decode", str(decode), "--port", str(router_port),
+            "--engine-port-base", str(engine_base), "--side-channel-port-base", str(side_base),
+            "--block-size", str(block_size), "--num-blocks", "256", "--log-dir", str(log_dir),
+            *(extra or [])]
+    if not demo:
+        argv.append("--no-demo")
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    urls = [f"http://127.0.0.1:{engine_base + i}" for i in range(n)]
+    cluster = Cluster(proc, f"http://127.0.0.1:{router_port}", urls[:prefill], urls[prefill:],
+                      log_dir, model=model_dir.name)
+    _wait_ready(cluster, timeout)
+    return cluster
+
+
+def _wait_ready(cluster: Cluster, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cluster.proc.poll() is not None:
+            out = cluster.proc.stdout.read() if cluster.proc.stdout else ""
+            raise RuntimeError(f"pdgate up exited early:\n{out}\n{cluster.logs()}")
+        try:
+            if httpx.get(cluster.router + "/ready", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    cluster.stop()
+    raise RuntimeError(f"cluster not ready in {timeout}s\n{cluster.logs()}")
+
+
+def metric(url: str, name: str, labels: str = "") -> float:
+    """Sum of a Prometheus sample (optionally filtered by a label substring) at `url`."""
+    text = httpx.get(url + "/metrics", timeout=5.0).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and (not labels or labels in line):
+            head = line.split(" ", 1)[0]
+            if head.split("{", 1)[0] == name:
+                total += float(line.rsplit(" ", 1)[1])
+    return total

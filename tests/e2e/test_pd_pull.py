@@ -1,0 +1,160 @@
+"""1P1D pull mode end to end: real shim engines, real NIXL, real router, the openai SDK."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.cluster import Cluster, metric, start_cluster
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed size blocks. " * 12,
+]
+# Tiny model geometry (engine_shim/tiny.py) at block size 4, float32: bytes of one block of
+# one layer's K or V.
+BLOCK_BYTES = 4 * 2 * 16 * 4
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = start_cluster(tmp_path_factory.mktemp("pd"), tiny_model_dir)
+    yield c
+    c.stop()
+
+
+def _complete(url: str, prompt: str, max_tokens: int = 24, **extra: object) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **extra}
+    resp = httpx.post(url + "/v1/completions", json=body, timeout=120.0)
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
+
+
+def test_openai_sdk_completions_chat_and_streaming(cluster: Cluster) -> None:
+    client = openai.OpenAI(base_url=cluster.router + "/v1", api_key="unused")
+    done = client.completions.create(model="tiny", prompt="Hello world", max_tokens=8,
+                                     temperature=0, extra_body={"ignore_eos": True})
+    assert done.usage is not None and done.usage.completion_tokens == 8
+    assert done.usage.prompt_tokens > 0 and done.choices[0].text
+
+    chat = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Tell me a story"}],
+        max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    assert chat.choices[0].message.content
+    assert chat.usage is not None and chat.usage.completion_tokens == 6
+
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Tell me a story"}],
+        max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == chat.choices[0].message.content
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 6
+    assert usage.prompt_tokens == chat.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["1-block", "3-blocks", "many-blocks"])
+def test_disaggregated_greedy_equals_colocated(cluster: Cluster, prompt: str) -> None:
+    read_before = metric(cluster.decode[0], "pdgate_shim_kv_transfer_bytes_total", "read")
+    via_router = _complete(cluster.router, prompt)
+    read_bytes = metric(cluster.decode[0], "pdgate_shim_kv_transfer_bytes_total", "read")
+    colocated = _complete(cluster.decode[0], prompt)
+    assert via_router["choices"][0]["text"] == colocated["choices"][0]["text"]
+    assert via_router["usage"]["prompt_tokens"] == colocated["usage"]["prompt_tokens"]
+    # D read exactly the prompt's blocks: every layer, K and V.
+    n_blocks = -(-colocated["usage"]["prompt_tokens"] // 4)
+    assert read_bytes - read_before == n_blocks * LAYERS * 2 * BLOCK_BYTES
+
+
+def test_transferred_kv_bytes_equal_prefill_bytes(cluster: Cluster) -> None:
+    rid = f"kv-digest-{time.monotonic_ns()}"
+    resp = httpx.post(cluster.router + "/v1/completions", headers={"X-Request-Id": rid},
+                      json={"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 4}, timeout=60)
+    assert resp.status_code == 200, resp.text
+    held = httpx.get(cluster.prefill[0] + "/debug/kv_transfers", timeout=5).json()
+    pulled = httpx.get(cluster.decode[0] + "/debug/kv_transfers", timeout=5).json()
+    p = next(t for t in held["transfers"] if t["request_id"].startswith(rid))
+    d = next(t for t in pulled["transfers"] if t["request_id"].startswith(rid))
+    assert p["role"] == "prefill" and d["role"] == "decode"
+    assert d["bytes"] > 0 and p["digest"] == d["digest"]
+
+
+async def _burst(cluster: Cluster) -> None:
+    async with httpx.AsyncClient(base_url=cluster.router, timeout=120) as client:
+        async def full(i: int) -> None:
+            r = await client.post("/v1/completions", json={
+                "model": "tiny", "prompt": PROMPTS[i % 3], "max_tokens": 8 + i})
+            assert r.status_code == 200, r.text
+
+        async def abandoned(i: int) -> None:
+            body = {"model": "tiny", "prompt": PROMPTS[i % 3], "max_tokens": 200,
+                    "stream": True, "ignore_eos": True}
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data:"):
+                        break  # client walks away mid-stream
+
+        await asyncio.gather(*(full(i) for i in range(10)),
+                             *(abandoned(i) for i in range(6)))
+
+
+def test_block_pools_return_to_free_after_burst(cluster: Cluster) -> None:
+    asyncio.run(_burst(cluster))
+    deadline = time.monotonic() + 30
+    engines = cluster.prefill + cluster.decode
+    while time.monotonic() < deadline:
+        states = [(metric(u, "pdgate_shim_kv_blocks_free"), metric(u, "pdgate_shim_kv_blocks_total"),
+                   metric(u, "pdgate_shim_kv_blocks_leased")) for u in engines]
+        if all(free == total and leased == 0 for free, total, leased in states):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"block pools not back to free: {states}")
+
+
+def test_sample_request_and_clean_shutdown(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """What `make run` does: the demo request prints an answer and moved KV; SIGINT (Ctrl-C)
+    ends every child process."""
+    from tests.e2e.cluster import child_pids, pid_alive
+
+    c = start_cluster(tmp_path, tiny_model_dir, demo=True)
+    children = child_pids(c.proc.pid)
+    assert len(children) == 3
+    import signal
+
+    assert c.stop(signal.SIGINT) == 0
+    out = c.proc.stdout.read() if c.proc.stdout else ""
+    assert "answer" in out and "KV bytes moved" in out, out
+    moved = int(out.split("KV bytes moved  :")[1].split()[0])
+    assert moved > 0, out
+    assert not [p for p in children if pid_alive(p)]
+
+
+def test_invalid_requests_get_openai_errors(cluster: Cluster) -> None:
+    cases = [
+        ({"model": "nope", "prompt": "x"}, 404),
+        ({"model": "tiny", "prompt": "x", "max_tokens": -1}, 400),
+        ({"model": "tiny", "messages": []}, 400),
+    ]
+    for body, status in cases:
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = httpx.post(cluster.router + path, json=body, timeout=30)
+        assert r.status_code == status, r.text
+        err = r.json()["error"]
+        assert err["message"] and err["type"]
+    r = httpx.post(cluster.router + "/v1/completions", content=b"{not json", timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "error" in json.loads(r.text)

@@ -106,7 +106,8 @@ class LlamaAttention(nn.Module):
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys, values, attn_mask=batch.mask
         )
-        return self.o_proj(out.transpose(1, 2).reshape(b, tq, -1))
+        projected: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(b, tq, -1))
+        return projected
 
     def _gather(self, cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
         """`[B, num_heads, nb*block_size, head_dim]`: the sequences' blocks, kv heads repeated
@@ -128,7 +129,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        out: torch.Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -149,8 +151,12 @@ class LlamaDecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, batch, k_cache, v_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn: torch.Tensor = self.self_attn(
+            self.input_layernorm(x), rope, batch, k_cache, v_cache
+        )
+        x = x + attn
+        mlp: torch.Tensor = self.mlp(self.post_attention_layernorm(x))
+        return x + mlp
 
 
 class LlamaModel(nn.Module):

@@ -29,7 +29,7 @@ _REQUIRED_INTS = (
 class ModelConfig:
     """Validated geometry of a Llama checkpoint; built by `from_dict` / `from_file`.
 
-    `eos_token_id` is a tuple because HF configs may list several stop ids (empty: none).
+    `eos_token_ids` (HF `eos_token_id`) is a tuple: configs may list several stop ids.
     `dtype` is the checkpoint's declared dtype name ("float32" | "float16" | "bfloat16").
     """
 
@@ -45,7 +45,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
-    eos_token_id: tuple[int, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
 
     def __post_init__(self) -> None:
@@ -101,7 +101,7 @@ class ModelConfig:
             max_position_embeddings=_as_int(raw, "max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             bos_token_id=_opt_int(raw, "bos_token_id"),
-            eos_token_id=_eos_ids(raw.get("eos_token_id")),
+            eos_token_ids=_eos_ids(raw.get("eos_token_id")),
             dtype=_dtype(raw),
         )
 

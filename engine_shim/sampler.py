@@ -34,7 +34,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off), 0 (off) or a positive int, got {self.top_k}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+        seed_ok = self.seed is None or (
+            isinstance(self.seed, int) and not isinstance(self.seed, bool)
+        )
+        if not seed_ok:
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
 
     @property

@@ -35,13 +35,14 @@ def model(tiny_model_dir: Path) -> LlamaModel:
 @pytest.fixture(scope="module")
 def hf_model(tiny_model_dir: Path) -> LlamaForCausalLM:
     hf = LlamaForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
-    hf.eval()
+    assert not hf.training
     return hf
 
 
 def hf_logits(hf: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
-        return hf(torch.tensor([ids])).logits[0].float()
+        logits: torch.Tensor = hf(torch.tensor([ids])).logits
+    return logits[0].float()
 
 
 def new_cache(model: LlamaModel, num_blocks: int = 12) -> PagedKVCache:
@@ -154,7 +155,8 @@ def test_shape_mismatch_is_a_clear_error(tiny_model_dir: Path, tmp_path: Path) -
     config = json.loads((tiny_model_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": 96}))
     shutil.copy(tiny_model_dir / "model.safetensors", tmp_path / "model.safetensors")
-    with pytest.raises(ValueError, match=r"mlp\.\w+_proj\.weight in model\.safetensors has shape .*, model expects"):
+    pattern = r"mlp\.\w+_proj\.weight in model\.safetensors has shape .*, model expects"
+    with pytest.raises(ValueError, match=pattern):
         LlamaModel.from_pretrained(tmp_path)
 
 
@@ -164,13 +166,13 @@ def _tiny_config(tiny_model_dir: Path) -> dict[str, object]:
 
 def test_config_parses_tiny_and_defaults(tiny_model_dir: Path) -> None:
     cfg = ModelConfig.from_file(tiny_model_dir)
-    assert (cfg.num_key_value_heads, cfg.head_dim, cfg.eos_token_id) == (2, 16, (2,))
+    assert (cfg.num_key_value_heads, cfg.head_dim, cfg.eos_token_ids) == (2, 16, (2,))
     raw = _tiny_config(tiny_model_dir)
     del raw["head_dim"], raw["num_key_value_heads"], raw["rope_theta"]
     raw.update(eos_token_id=[2, 4], rope_parameters={"rope_type": "default", "rope_theta": 5e5})
     cfg = ModelConfig.from_dict(raw)
     assert (cfg.head_dim, cfg.num_key_value_heads) == (16, 4)  # hidden/heads, heads
-    assert (cfg.eos_token_id, cfg.rope_theta) == ((2, 4), 5e5)
+    assert (cfg.eos_token_ids, cfg.rope_theta) == ((2, 4), 5e5)
 
 
 @pytest.mark.parametrize(

@@ -102,6 +102,13 @@ class EngineUnavailable(RouterError):
     code = "engine_unavailable"
     retryable = True
 
+    def __init__(
+        self, message: str, *, connect_failed: bool = False, param: str | None = None
+    ) -> None:
+        super().__init__(message, param=param)
+        # True when no connection could be made at all: the engine is down, not just busy.
+        self.connect_failed = connect_failed
+
 
 class EngineTimeout(RouterError):
     """An engine leg ran past its deadline (504). Not retried: it would double the wait."""

@@ -7,9 +7,12 @@ requests, the orchestrator times legs and counts decisions, the pool keeps the g
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+M = TypeVar("M", Counter, Gauge, Histogram)
 
 __all__ = ["RouterMetrics"]
 
@@ -34,6 +37,16 @@ class RouterMetrics:
     disagg_decisions: Counter  # reason
     engine_healthy: Gauge  # engine, role (1 healthy, 0 not)
     engine_in_flight: Gauge  # engine, role
+    _children: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict, repr=False)
+
+    def child(self, metric: M, *labels: str) -> M:
+        """`metric.labels(*labels)`, cached: label values on the hot path come from small
+        fixed sets (routes, statuses, reasons), and `labels()` takes a lock each call."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found  # type: ignore[no-any-return]
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> RouterMetrics:

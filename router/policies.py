@@ -65,8 +65,9 @@ class RoundRobin:
 
 
 class LeastInflight:
-    """Picks the candidate with the fewest in-flight requests; among equals, rotates so a
-    quiet pool still spreads load instead of hammering the first endpoint."""
+    """Picks the candidate with the fewest in-flight requests; among equals, rotates (one
+    counter over the tied set) so a quiet pool still spreads load instead of hammering the
+    first endpoint."""
 
     type: ClassVar[str] = "least-inflight"
 
@@ -74,15 +75,11 @@ class LeastInflight:
         self._next = 0
 
     async def pick(self, candidates: Sequence[Endpoint], ctx: PickContext) -> Endpoint:
-        n = len(candidates)
-        start = self._next % n
+        least = min(ep.in_flight for ep in candidates)
+        tied = [ep for ep in candidates if ep.in_flight == least]
+        ep = tied[self._next % len(tied)]
         self._next += 1
-        best = candidates[start]
-        for i in range(1, n):
-            ep = candidates[(start + i) % n]
-            if ep.in_flight < best.in_flight:
-                best = ep
-        return best
+        return ep
 
 
 _BUILTINS: tuple[type[Policy], ...] = (

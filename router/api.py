@@ -1,0 +1,229 @@
+"""HTTP handlers: read and validate the request, call the orchestrator, map errors.
+
+Handlers are plain Starlette routes taking a `Request` (no FastAPI dependency solving or
+pydantic models on the hot path); bodies are decoded with msgspec. Every error a client can
+cause comes back as a 4xx with an OpenAI-style body, never a 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from router.config import RouterConfig
+from router.errors import InvalidRequest, ModelNotFound, PayloadTooLarge, RouterError, error_json
+from router.metrics import RouterMetrics
+from router.orchestrator import Orchestrator, StreamResult
+from router.pool import EndpointPool
+from router.schema import ClientRequest, classify_prompt, parse_chat, parse_completion
+
+__all__ = ["RouterState", "StateHolder", "install_error_handlers", "install_routes"]
+
+log = logging.getLogger(__name__)
+_json = msgspec.json.Encoder().encode
+_TRACE_HEADERS = ("traceparent", "tracestate")
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(frozen=True)
+class RouterState:
+    """Everything the handlers use, built by the app's lifespan."""
+
+    config: RouterConfig
+    metrics: RouterMetrics
+    registry: CollectorRegistry
+    pool: EndpointPool
+    orchestrator: Orchestrator
+    started_at: int
+
+
+class StateHolder:
+    """Gives handlers typed access to the state the lifespan builds (set while serving)."""
+
+    def __init__(self) -> None:
+        self._state: RouterState | None = None
+
+    def set(self, state: RouterState | None) -> None:
+        self._state = state
+
+    @property
+    def state(self) -> RouterState:
+        if self._state is None:
+            raise RuntimeError("router state used outside the app lifespan")
+        return self._state
+
+
+def error_response(exc: RouterError, request_id: str | None = None) -> Response:
+    """The OpenAI-style JSON error response for `exc`."""
+    headers = {"X-Request-Id": request_id} if request_id else None
+    return Response(error_json(exc), exc.status, headers, "application/json")
+
+
+class RelayResponse(StreamingResponse):
+    """A StreamingResponse that always releases the upstream stream, however it ends
+    (finished, client gone, cancelled, or never started)."""
+
+    def __init__(self, result: StreamResult, headers: dict[str, str],
+                 on_done: Callable[[], None]) -> None:
+        super().__init__(result.chunks, 200, headers, "text/event-stream")
+        self._result = result
+        self._on_done = on_done
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._result.chunks.aclose()
+            finally:
+                self._result.close()
+                self._on_done()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refusing more than `limit` bytes (413) without reading it all."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit():
+        if int(length) > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        return await request.body()
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        parts.append(part)
+    return b"".join(parts)
+
+
+def build_request(
+    kind: str, raw: bytes, request: Request, request_id: str, served: list[str]
+) -> ClientRequest:
+    """Validate `raw` into a `ClientRequest` (raises `RouterError` subclasses)."""
+    if kind == "chat":
+        body, chat = parse_chat(raw)
+        req = ClientRequest("chat", "/v1/chat/completions", body, chat, request_id, {})
+    else:
+        body, comp = parse_completion(raw)
+        req = ClientRequest("completion", "/v1/completions", body, comp, request_id, {})
+        req.prompt, req.batch = classify_prompt(comp.prompt)
+    model = req.params.model
+    if model is not None and model not in served:
+        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+    for name in _TRACE_HEADERS:
+        if (value := request.headers.get(name)) is not None:
+            headers[name] = value
+    req.engine_headers = headers
+    return req
+
+
+def _completion_handler(
+    holder: StateHolder, kind: str, route: str
+) -> Callable[[Request], Awaitable[Response]]:
+    async def handler(request: Request) -> Response:
+        st = holder.state
+        t0 = time.perf_counter()
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            raw = await read_body(request, st.config.max_body_bytes)
+            req = build_request(kind, raw, request, request_id, st.config.served_names)
+            result = await st.orchestrator.handle(req)
+        except RouterError as exc:
+            _count(st, route, exc.status, t0)
+            return error_response(exc, request_id)
+        except Exception:  # a bug: log it, answer like an engine would, keep serving
+            log.exception("request %s failed", request_id)
+            _count(st, route, 500, t0)
+            return error_response(RouterError("internal router error"), request_id)
+        headers = {"X-Request-Id": request_id}
+        if isinstance(result, bytes):
+            _count(st, route, 200, t0)
+            return Response(result, 200, headers, "application/json")
+        st.metrics.child(st.metrics.requests, route, "200").inc()
+        duration = st.metrics.child(st.metrics.request_duration, route)
+        done = lambda: duration.observe(time.perf_counter() - t0)  # noqa: E731
+        return RelayResponse(result, {**headers, **_SSE_HEADERS}, done)
+
+    return handler
+
+
+def _count(st: RouterState, route: str, status: int, t0: float) -> None:
+    m = st.metrics
+    m.child(m.requests, route, str(status)).inc()
+    m.child(m.request_duration, route).observe(time.perf_counter() - t0)
+
+
+def _json_response(obj: Any, status: int = 200) -> Response:
+    return Response(_json(obj), status, media_type="application/json")
+
+
+def install_routes(app: FastAPI, holder: StateHolder) -> None:
+    """Register the OpenAI routes and the operational endpoints on `app`."""
+    for path, kind in (("/v1/completions", "completion"), ("/v1/chat/completions", "chat")):
+        app.router.add_route(path, _completion_handler(holder, kind, path), methods=["POST"])
+
+    async def models(request: Request) -> Response:
+        st = holder.state
+        data = [
+            {"id": name, "object": "model", "created": st.started_at, "owned_by": "pdgate"}
+            for name in st.config.served_names
+        ]
+        return _json_response({"object": "list", "data": data})
+
+    async def health(request: Request) -> Response:
+        return _json_response({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        pool = holder.state.pool
+        body = {
+            "prefill_healthy": len(pool.healthy("prefill")),
+            "decode_healthy": len(pool.healthy("decode")),
+        }
+        if pool.ready():
+            return _json_response({"status": "ready", **body})
+        return _json_response({"status": "not ready", **body}, 503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(holder.state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.router.add_route("/v1/models", models, methods=["GET"])
+    app.router.add_route("/health", health, methods=["GET"])
+    app.router.add_route("/ready", ready, methods=["GET"])
+    app.router.add_route("/metrics", metrics, methods=["GET"])
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map framework errors (validation, unknown route, bad method) to OpenAI error bodies."""
+
+    async def on_validation(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        errors = exc.errors()
+        loc = errors[0].get("loc", ()) if errors else ()
+        param = str(loc[-1]) if loc else None
+        return error_response(InvalidRequest(f"invalid request: {errors}", param=param))
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        err = RouterError(str(exc.detail))
+        err.status = exc.status_code
+        err.type = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
+        err.code = None
+        return error_response(err)
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(HTTPException, on_http)

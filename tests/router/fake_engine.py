@@ -1,0 +1,201 @@
+"""A recording fake of a vLLM engine with the NixlConnector, served over real HTTP.
+
+It speaks the pull-mode contract of design.md §2: a request whose `kv_transfer_params`
+has `do_remote_decode: true` is a prefill and gets one token plus the params a decode
+engine needs; anything else is a decode, answered as JSON or as an SSE stream with the
+configured tokens. Every request (path, headers, JSON body) is recorded.
+
+Usage numbers are deliberately different per role so tests can see which one the router
+billed: prefill reports PREFILL_PROMPT_TOKENS / PREFILL_CACHED_TOKENS, decode reports
+DECODE_PROMPT_TOKENS / DECODE_CACHED_TOKENS and one completion token per streamed token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+PREFILL_PROMPT_TOKENS = 11
+PREFILL_CACHED_TOKENS = 3
+DECODE_PROMPT_TOKENS = 99
+DECODE_CACHED_TOKENS = 96
+
+
+@dataclass
+class Recorded:
+    """One request as the engine received it."""
+
+    path: str
+    headers: CIMultiDict[str]
+    body: dict[str, Any]
+
+    @property
+    def is_prefill(self) -> bool:
+        params = self.body.get("kv_transfer_params")
+        return isinstance(params, dict) and params.get("do_remote_decode") is True
+
+
+@dataclass
+class FakeEngine:
+    """Configurable fake engine. Mutate the knobs between requests as a test needs."""
+
+    engine_id: str = "fake"
+    tokens: tuple[str, ...] = ("Hello", " world", "!")
+    return_kv_params: bool = True
+    fail_status: int | None = None  # answer completions with this status
+    delay_s: float = 0.0  # before answering a completion
+    token_delay_s: float = 0.0  # between streamed tokens (none before the first)
+    health_status: int = 200
+    requests: list[Recorded] = field(default_factory=list)
+    aborted_streams: int = 0
+    finished_streams: int = 0
+    url: str = ""
+    _runner: web.AppRunner | None = None
+    _stopping: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep, but wake at once when the engine stops (so teardown never waits)."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), seconds)
+
+    @property
+    def prefills(self) -> list[Recorded]:
+        return [r for r in self.requests if r.is_prefill]
+
+    @property
+    def decodes(self) -> list[Recorded]:
+        return [r for r in self.requests if not r.is_prefill]
+
+    async def start(self) -> str:
+        self._stopping.clear()
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completion)
+        app.router.add_post("/v1/chat/completions", self._completion)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        site = web.SockSite(self._runner, sock)
+        await site.start()
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        return self.url
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({}, status=self.health_status)
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        rec = Recorded(request.path, CIMultiDict(request.headers), body)
+        self.requests.append(rec)
+        if self.delay_s:
+            await self._pause(self.delay_s)
+        if self.fail_status is not None:
+            err = {"error": {"message": f"fake failure {self.fail_status}", "type": "X",
+                             "code": self.fail_status}}
+            return web.json_response(err, status=self.fail_status)
+        chat = request.path.endswith("/chat/completions")
+        if rec.is_prefill:
+            return web.json_response(self._prefill_reply(rec, chat))
+        if body.get("stream"):
+            return await self._stream(request, rec, chat)
+        return web.json_response(self._decode_reply(rec, chat))
+
+    def _prefill_reply(self, rec: Recorded, chat: bool) -> dict[str, Any]:
+        reply = _reply(chat, "P", rec.body.get("n") or 1)
+        reply["usage"] = {
+            "prompt_tokens": PREFILL_PROMPT_TOKENS,
+            "completion_tokens": 1,
+            "total_tokens": PREFILL_PROMPT_TOKENS + 1,
+            "prompt_tokens_details": {"cached_tokens": PREFILL_CACHED_TOKENS},
+        }
+        reply["kv_transfer_params"] = self.kv_params(rec) if self.return_kv_params else None
+        return reply
+
+    def kv_params(self, rec: Recorded) -> dict[str, Any]:
+        """What this engine, as P, tells D (the vLLM NixlConnector shape)."""
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": rec.headers.get("X-Request-Id"),
+            "remote_block_ids": [4, 5, 6],
+            "remote_host": "127.0.0.1",
+            "remote_port": 5601,
+            "tp_size": 1,
+        }
+
+    def _decode_reply(self, rec: Recorded, chat: bool) -> dict[str, Any]:
+        reply = _reply(chat, "".join(self.tokens), rec.body.get("n") or 1)
+        reply["usage"] = _decode_usage(len(self.tokens))
+        return reply
+
+    async def _stream(self, request: web.Request, rec: Recorded, chat: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        opts = rec.body.get("stream_options") or {}
+        try:
+            for i, tok in enumerate(self.tokens):
+                if i and self.token_delay_s:
+                    await self._pause(self.token_delay_s)
+                await _send(resp, _chunk(chat, tok))
+            if opts.get("include_usage"):
+                final = _chunk(chat, None)
+                final["usage"] = _decode_usage(len(self.tokens))
+                await _send(resp, final)
+            await resp.write(b"data: [DONE]\n\n")
+        except (ConnectionResetError, ConnectionError):
+            self.aborted_streams += 1
+            return resp
+        self.finished_streams += 1
+        await resp.write_eof()
+        return resp
+
+
+async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
+    await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+
+def _decode_usage(completion: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": DECODE_PROMPT_TOKENS,
+        "completion_tokens": completion,
+        "total_tokens": DECODE_PROMPT_TOKENS + completion,
+        "prompt_tokens_details": {"cached_tokens": DECODE_CACHED_TOKENS},
+    }
+
+
+def _reply(chat: bool, text: str, n: int) -> dict[str, Any]:
+    if chat:
+        choices = [{"index": i, "message": {"role": "assistant", "content": text},
+                    "finish_reason": "length"} for i in range(n)]
+        return {"id": "chatcmpl-fake", "object": "chat.completion", "created": 1,
+                "model": "tiny", "choices": choices}
+    choices = [{"index": i, "text": text, "finish_reason": "length", "logprobs": None}
+               for i in range(n)]
+    return {"id": "cmpl-fake", "object": "text_completion", "created": 1, "model": "tiny",
+            "choices": choices}
+
+
+def _chunk(chat: bool, token: str | None) -> dict[str, Any]:
+    if chat:
+        choices = [] if token is None else [
+            {"index": 0, "delta": {"content": token}, "finish_reason": None}]
+        return {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
+                "model": "tiny", "choices": choices}
+    choices = [] if token is None else [{"index": 0, "text": token, "finish_reason": None}]
+    return {"id": "cmpl-fake", "object": "text_completion", "created": 1, "model": "tiny",
+            "choices": choices}

@@ -150,7 +150,7 @@ def _completion_handler(
             log.exception("request %s failed", request_id)
             _count(st, route, 500, t0)
             return error_response(RouterError("internal router error"), request_id)
-        headers = {"X-Request-Id": request_id}
+        headers = {"X-Request-Id": request_id, **_engine_headers(req)}
         if isinstance(result, bytes):
             _count(st, route, 200, t0)
             return Response(result, 200, headers, "application/json")
@@ -160,6 +160,11 @@ def _completion_handler(
         return RelayResponse(result, {**headers, **_SSE_HEADERS}, done)
 
     return handler
+
+
+def _engine_headers(req: ClientRequest) -> dict[str, str]:
+    # Which engines served the legs: cheap to add, and what an operator asks first.
+    return {f"X-Pdgate-{role.capitalize()}-Engine": url for role, url in req.served_by.items()}
 
 
 def _count(st: RouterState, route: str, status: int, t0: float) -> None:

@@ -235,7 +235,9 @@ class Orchestrator:
         policy = self.policies[role]
         ep = await choose(self.pool, role, policy, ctx)
         try:
-            return await call(ep)
+            result = await call(ep)
+            req.served_by[role] = ep.url
+            return result
         except RouterError as exc:
             if isinstance(exc, EngineUnavailable) and exc.connect_failed:
                 ep.set_healthy(False)
@@ -249,7 +251,9 @@ class Orchestrator:
         self.metrics.retries.labels(role).inc()
         log.warning("request %s: %s leg failed on %s (%s); retrying on %s", req.request_id,
                     role, ep.url, first_error.message, retry_ep.url)
-        return await call(retry_ep)
+        result = await call(retry_ep)
+        req.served_by[role] = retry_ep.url
+        return result
 
 
 def check_context_length(prompt_tokens: int, max_tokens: int | None, limit: int | None) -> None:

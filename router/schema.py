@@ -9,7 +9,7 @@ to the offending field.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -84,6 +84,8 @@ class ClientRequest:
     prompt: str | list[int] | None = None
     batch: bool = False
     prompt_token_ids: list[int] | None = None
+    # Engine URL that served each leg, for the X-Pdgate-*-Engine response headers.
+    served_by: dict[str, str] = field(default_factory=dict)
 
     @property
     def stream(self) -> bool:

@@ -86,6 +86,16 @@ async def test_same_request_id_on_both_legs_and_in_response(pd: PD) -> None:
     assert d.requests[1].headers["X-Request-Id"] == generated
 
 
+async def test_response_names_the_engines_that_served_each_leg(pd: PD) -> None:
+    p, d, router = pd
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
+    resp = await router.client.post("/v1/completions", json=body)
+    assert resp.headers["x-pdgate-prefill-engine"] == p.url
+    assert resp.headers["x-pdgate-decode-engine"] == d.url
+    resp = await router.client.post("/v1/completions", json={**body, "stream": True})
+    assert resp.headers["x-pdgate-decode-engine"] == d.url
+
+
 async def test_trace_headers_are_propagated(pd: PD) -> None:
     p, d, router = pd
     tp = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"

@@ -1,0 +1,65 @@
+"""KV-ready notifications: prefill engines tell the router that a request's KV is in place.
+
+Reading path: `wire` (the message contract, pure data) → `waiters` (per-request waiters and
+early arrivals) → `server` (zmq PULL socket feeding the waiters) → `sender` (engine side).
+
+Router side::
+
+    async with NotifyServer(ProxyConfig(bind="tcp://0.0.0.0:0", advertise_host=my_ip)) as px:
+        notify_to = px.advertised_endpoint       # goes in the prefill leg's kv_transfer_params
+        px.waiters.register(request_id)          # BEFORE dispatching the prefill
+        ...dispatch prefill...
+        ready = await px.waiters.wait(request_id, timeout=10.0)  # KVReady, or raises
+        # px.waiters.cancel(request_id) if the request is abandoned before waiting
+
+Engine side::
+
+    with NotifySender(secret=...) as sender:
+        sender.send(notify_to, KVReady(request_id=rid, engine_id=eid, num_tokens=n))
+
+Imports nothing from router or engine_shim.
+"""
+
+from __future__ import annotations
+
+from proxy.config import ProxyConfig
+from proxy.errors import (
+    KVReadyTimeout,
+    KVTransferFailed,
+    ProxyError,
+    WaitCancelled,
+    WaiterLimitExceeded,
+)
+from proxy.metrics import ProxyMetrics
+from proxy.sender import NotifySender
+from proxy.server import NotifyServer
+from proxy.waiters import WaiterTable
+from proxy.wire import (
+    PROTOCOL_VERSION,
+    FrameDecoder,
+    Heartbeat,
+    KVReady,
+    Message,
+    WireError,
+    to_frames,
+)
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "FrameDecoder",
+    "Heartbeat",
+    "KVReady",
+    "KVReadyTimeout",
+    "KVTransferFailed",
+    "Message",
+    "NotifySender",
+    "NotifyServer",
+    "ProxyConfig",
+    "ProxyError",
+    "ProxyMetrics",
+    "WaitCancelled",
+    "WaiterLimitExceeded",
+    "WaiterTable",
+    "WireError",
+    "to_frames",
+]

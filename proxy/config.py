@@ -1,0 +1,56 @@
+"""`ProxyConfig`: every setting of the KV-ready proxy, validated once at startup."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Settings of one proxy (one PULL socket and its waiter table).
+
+    Fields:
+        bind: zmq endpoint to bind, e.g. ``tcp://0.0.0.0:7500``; port 0 (or ``*``) picks a
+            free port, read it back from `NotifyServer.endpoint`.
+        advertise_host: host engines should connect to when `bind` uses a wildcard host;
+            `NotifyServer.advertised_endpoint` substitutes it.
+        notify_secret: shared secret for HMAC-SHA256 frame signatures; when set, unsigned or
+            badly signed frames are dropped.
+        ttl_s: lifetime of unclaimed early arrivals and never-awaited waiters (seconds).
+        reap_interval_s: how often the reaper runs (seconds).
+        max_waiters: registered waiters allowed at once (register raises beyond).
+        max_early / max_early_bytes: caps on held early arrivals (count, payload bytes).
+        rcv_hwm: zmq receive high-water mark (messages queued in the socket).
+        max_msg_bytes: zmq MAXMSGSIZE; a peer sending a bigger frame is disconnected.
+        batch: frames handled per event-loop turn before yielding to woken waiters.
+    """
+
+    bind: str = "tcp://127.0.0.1:7500"
+    advertise_host: str | None = None
+    notify_secret: str | None = None
+    ttl_s: float = 60.0
+    reap_interval_s: float = 1.0
+    max_waiters: int = 100_000
+    max_early: int = 100_000
+    max_early_bytes: int = 64 << 20
+    rcv_hwm: int = 100_000
+    max_msg_bytes: int = 64 << 10
+    batch: int = 64
+
+    def validate(self) -> ProxyConfig:
+        """Return self, or raise ValueError naming the first bad field."""
+        if "://" not in self.bind:
+            raise ValueError(f"bind: not a zmq endpoint: {self.bind!r}")
+        if self.notify_secret is not None and len(self.notify_secret) < 16:
+            raise ValueError("notify_secret: use at least 16 characters")
+        for name in ("ttl_s", "reap_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0")
+        for name in ("max_waiters", "max_early", "max_early_bytes", "rcv_hwm",
+                     "max_msg_bytes", "batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1")
+        return self
+
+    def secret_bytes(self) -> bytes | None:
+        """The HMAC key, or None when frames are not authenticated."""
+        return None if self.notify_secret is None else self.notify_secret.encode()

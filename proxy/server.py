@@ -1,0 +1,160 @@
+"""`NotifyServer`: the zmq.asyncio PULL socket that feeds KV-ready messages to the waiters.
+
+Runs inside its owner's event loop: the router's lifespan (``async with NotifyServer(...)``)
+or the standalone ``python -m proxy``. No HTTP, no engine logic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from types import TracebackType
+
+import zmq
+import zmq.asyncio
+
+from proxy.config import ProxyConfig
+from proxy.metrics import ProxyMetrics
+from proxy.waiters import WaiterTable
+from proxy.wire import FrameDecoder, KVReady, WireError
+
+log = logging.getLogger(__name__)
+
+_PORT_ZERO = re.compile(r":0$")
+
+
+class NotifyServer:
+    """Binds a PULL socket, decodes each frame and dispatches it into a `WaiterTable`.
+
+    Frames that fail to decode or authenticate are counted and dropped; the receive loop
+    never stops on bad input. `start()` binds (errors surface there), `close()` stops the
+    loop and the reaper and closes the socket with linger 0. The zmq context is created
+    here and terminated on close unless the caller passes its own.
+    """
+
+    def __init__(
+        self, config: ProxyConfig, *, metrics: ProxyMetrics | None = None,
+        table: WaiterTable | None = None, context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.config = config.validate()
+        self.metrics = metrics if metrics is not None else ProxyMetrics.create()
+        self.waiters = table if table is not None else WaiterTable(
+            ttl_s=config.ttl_s, max_waiters=config.max_waiters, max_early=config.max_early,
+            max_early_bytes=config.max_early_bytes, metrics=self.metrics,
+        )
+        self._decoder = FrameDecoder(config.secret_bytes())
+        self._own_ctx = context is None
+        self._ctx = context if context is not None else zmq.asyncio.Context()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._endpoint = ""
+        self.frames_received = 0  # every frame taken off the socket, good or bad
+
+    @property
+    def endpoint(self) -> str:
+        """The bound endpoint with its real port, e.g. ``tcp://127.0.0.1:40123``."""
+        if not self._endpoint:
+            raise RuntimeError("NotifyServer is not started")
+        return self._endpoint
+
+    @property
+    def advertised_endpoint(self) -> str:
+        """`endpoint` with a wildcard host replaced by `config.advertise_host`, if set."""
+        host = self.config.advertise_host
+        if host is None:
+            return self.endpoint
+        scheme, _, rest = self.endpoint.partition("://")
+        return f"{scheme}://{host}:{rest.rsplit(':', 1)[1]}"
+
+    async def start(self) -> None:
+        """Bind the socket and start the receive loop and the reaper."""
+        sock = self._ctx.socket(zmq.PULL)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, self.config.rcv_hwm)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.config.max_msg_bytes)
+            sock.bind(_PORT_ZERO.sub(":*", self.config.bind))
+        except zmq.ZMQError:
+            sock.close(linger=0)
+            raise
+        self._sock = sock
+        self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._tasks = [
+            asyncio.create_task(self._recv_loop(sock), name="proxy-recv"),
+            asyncio.create_task(
+                self.waiters.run_reaper(self.config.reap_interval_s), name="proxy-reaper"
+            ),
+        ]
+        log.info("KV-ready proxy listening on %s", self._endpoint)
+
+    async def close(self) -> None:
+        """Stop the loops, close the socket (linger 0) and, if owned, the context."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        if self._sock is not None:
+            self._sock.close(linger=0)
+            self._sock = None
+        if self._own_ctx and not self._ctx.closed:
+            self._ctx.term()
+
+    async def __aenter__(self) -> NotifyServer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def _recv_loop(self, sock: zmq.asyncio.Socket) -> None:
+        # After one awaited receive, drain what is already queued through the synchronous
+        # shadow socket (no future per frame), up to `batch` frames, then yield so woken
+        # waiters run before the next batch: throughput without starving the wake path.
+        # The explicit sleep(0) matters: awaiting an already-completed receive does not
+        # yield to the event loop, so under a steady stream nothing else would ever run.
+        shadow: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        batch = self.config.batch
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except zmq.ZMQError as exc:
+                if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                    return
+                log.warning("KV-ready proxy receive failed: %s", exc)
+                await asyncio.sleep(0.01)  # transient; do not spin on a persistent error
+                continue
+            self._handle(frames, time.perf_counter())
+            for _ in range(batch - 1):
+                try:
+                    frames = shadow.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._handle(frames, time.perf_counter())
+            await asyncio.sleep(0)
+
+    def _handle(self, frames: list[bytes], received: float) -> None:
+        self.frames_received += 1
+        try:
+            kind, msg = self._decoder.decode(frames)
+        except WireError as exc:
+            self.metrics.message(exc.kind, exc.reason)
+            log.debug("dropped frame: %s", exc)
+            return
+        if not isinstance(msg, KVReady):
+            self.metrics.message(kind, "ok")
+            return
+        try:
+            result = self.waiters.notify(msg, received=received, nbytes=len(frames[0]))
+        except Exception:  # a bug must not kill the loop that every request depends on
+            log.exception("KV-ready dispatch failed for %s", msg.request_id)
+            self.metrics.message(kind, "error")
+            return
+        self.metrics.message(kind, "duplicate" if result == "duplicate" else msg.status)

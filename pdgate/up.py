@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--prefill-policy", default="round-robin", help="prefill-leg policy")
     p.add_argument("--decode-policy", default="round-robin", help="decode-leg policy")
+    p.add_argument(
+        "--kv-digests", action="store_true",
+        help="engines record a digest of every KV transfer (GET /debug/kv_transfers)",
+    )
     p.add_argument("--log-dir", default=None, help="where process logs go (default: a temp dir)")
     p.add_argument(
         "--startup-timeout", type=float, default=180.0,
@@ -124,13 +128,15 @@ def _engine_argv(args: argparse.Namespace, model: str, name: str, i: int) -> lis
     ]
     if args.dtype:
         argv += ["--dtype", args.dtype]
+    if args.kv_digests:
+        argv.append("--kv-digests")
     return argv
 
 
 def _router_argv(args: argparse.Namespace, model_dir: str, engines: list[Child]) -> list[str]:
     argv = [
         sys.executable, "-m", "router", "--host", args.host, "--port", str(args.port),
-        "--model", _served_name(args), "--tokenizer", model_dir,
+        "--model", model_dir, "--served-model-name", _served_name(args),
         "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy,
     ]
     for child in engines:

@@ -69,6 +69,7 @@ class Cluster:
     decode: list[str]
     log_dir: Path
     model: str = "pdgate-tiny"
+    console: str = ""
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
@@ -96,6 +97,7 @@ def start_cluster(tmp: Path, model_dir: Path, *, prefill: int = 1, decode: int =
             "--prefill", str(prefill), "--decode", str(decode), "--port", str(router_port),
             "--engine-port-base", str(engine_base), "--side-channel-port-base", str(side_base),
             "--block-size", str(block_size), "--num-blocks", "256", "--log-dir", str(log_dir),
+            "--kv-digests",
             *(extra or [])]
     if not demo:
         argv.append("--no-demo")
@@ -105,7 +107,19 @@ def start_cluster(tmp: Path, model_dir: Path, *, prefill: int = 1, decode: int =
     cluster = Cluster(proc, f"http://127.0.0.1:{router_port}", urls[:prefill], urls[prefill:],
                       log_dir, model=model_dir.name)
     _wait_ready(cluster, timeout)
+    if demo:
+        _wait_for_console(cluster, "Ctrl-C stops the cluster")
     return cluster
+
+
+def _wait_for_console(cluster: Cluster, marker: str) -> None:
+    # `pdgate up` prints the marker after its sample request; a pytest timeout bounds this.
+    assert cluster.proc.stdout is not None
+    for line in cluster.proc.stdout:
+        cluster.console += line
+        if marker in line:
+            return
+    raise RuntimeError(f"pdgate up ended before {marker!r}:\n{cluster.console}")
 
 
 def _wait_ready(cluster: Cluster, timeout: float) -> None:

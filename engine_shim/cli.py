@@ -1,0 +1,159 @@
+"""`pdgate shim` / `python -m engine_shim`: one engine process (model + paged KV + NIXL + HTTP).
+
+`build_parser()` declares every flag (the README's CLI reference is generated from it);
+`main(argv)` loads the model, wires the KV connector and serves with uvicorn until SIGINT or
+SIGTERM, then shuts down gracefully (in-flight requests get `--graceful-shutdown-timeout`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import uuid
+from dataclasses import dataclass
+from types import FrameType
+
+from engine_shim.engine import Engine, EngineConfig
+from engine_shim.metrics import ShimMetrics
+from engine_shim.server import ConnectorFactory, ManagedConnector, create_app
+
+log = logging.getLogger("engine_shim")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pdgate shim",
+        description="Engine shim: an OpenAI-compatible Llama engine with a paged KV cache that "
+        "speaks vLLM's NixlConnector kv_transfer_params protocol (prefill and decode roles).",
+    )
+    p.add_argument("--model", default="tiny",
+                   help="'tiny' (built-in random-weight model) or a local HF Llama directory")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help="model name(s) clients use (default: pdgate-tiny, or the --model path)")
+    p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
+    p.add_argument("--port", type=int, default=8100, help="HTTP listen port")
+    p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
+                   help="model and KV dtype (default: float32 on cpu, the checkpoint's on cuda)")
+    p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
+    p.add_argument("--num-blocks", type=int, default=1024, help="KV cache blocks in the pool")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion in tokens (default: the model's limit, "
+                   "capped at num-blocks x block-size)")
+    p.add_argument("--engine-id", default=None,
+                   help="NIXL engine id announced to peers (default: a random uuid)")
+    p.add_argument("--side-channel-host", default="127.0.0.1",
+                   help="address of the NIXL metadata side channel (sent to decode engines)")
+    p.add_argument("--side-channel-port", type=int, default=5600,
+                   help="port of the NIXL metadata side channel (vLLM's default is 5600; "
+                   "0 binds a free port)")
+    p.add_argument("--admission-timeout", type=float, default=60.0,
+                   help="seconds a request may wait (first come, first served) for free KV "
+                   "blocks before it is refused with a 503")
+    p.add_argument("--kv-lease-seconds", type=float, default=30.0,
+                   help="how long a prefill engine pins blocks for a decode engine that has "
+                   "not read them yet")
+    p.add_argument("--no-kv-transfer", action="store_true",
+                   help="start without the NIXL connector (colocated serving only; decode "
+                   "requests recompute the prompt)")
+    p.add_argument("--kv-digests", action="store_true",
+                   help="hash handed-over and pulled KV blocks into GET /debug/kv_transfers "
+                   "(tests: D's bytes equal P's; costs a copy of the blocks per request)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seeds the sampling of requests that bring no seed, so a run is "
+                   "reproducible (default: fresh randomness per request)")
+    p.add_argument("--graceful-shutdown-timeout", type=int, default=10,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"], help="log level")
+    return p
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """Arguments of `engine_shim.connector.KVConnector` that come from the command line."""
+
+    engine_id: str
+    side_channel_host: str
+    side_channel_port: int
+    lease_seconds: float
+
+
+def nixl_connector_factory(settings: ConnectorSettings) -> ConnectorFactory:
+    """A factory the server's lifespan calls with the loaded engine. The NIXL import happens
+    only then, so `--help` and colocated tests do not load nixl."""
+
+    def build(engine: Engine) -> ManagedConnector:
+        from engine_shim.connector import KVConnector
+
+        connector: ManagedConnector = KVConnector(
+            engine_id=settings.engine_id,
+            model_name=engine.served_model_names[0],
+            kv=engine.kv,
+            side_channel_host=settings.side_channel_host,
+            side_channel_port=settings.side_channel_port,
+            lease_seconds=settings.lease_seconds,
+            free_blocks=engine.free_blocks,
+            metrics=engine.metrics,
+        )
+        return connector
+
+    return build
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        served_model_names=tuple(args.served_model_name or ()),
+        device=args.device,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+        kv_digests=args.kv_digests,
+        admission_timeout=args.admission_timeout,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        engine = Engine.load(engine_config(args), ShimMetrics.create())
+    except (ValueError, OSError) as e:
+        print(f"pdgate shim: cannot load the model: {e}", file=sys.stderr)
+        return 1
+    factory = None
+    if not args.no_kv_transfer:
+        factory = nixl_connector_factory(ConnectorSettings(
+            engine_id=args.engine_id or f"shim-{uuid.uuid4().hex[:12]}",
+            side_channel_host=args.side_channel_host,
+            side_channel_port=args.side_channel_port,
+            lease_seconds=args.kv_lease_seconds,
+        ))
+    log.info("serving %s (max_model_len %d, %d blocks of %d) on http://%s:%d",
+             engine.served_model_names[0], engine.max_model_len, args.num_blocks,
+             args.block_size, args.host, args.port)
+    import uvicorn
+
+    config = uvicorn.Config(
+        create_app(engine, connector_factory=factory), host=args.host, port=args.port,
+        loop="uvloop", http="httptools", log_level=args.log_level,
+        timeout_graceful_shutdown=args.graceful_shutdown_timeout, access_log=False,
+    )
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the
+    # previous handlers restored; these turn that into a clean exit status 0.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)

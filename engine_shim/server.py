@@ -1,0 +1,289 @@
+"""The shim's OpenAI-compatible HTTP API (FastAPI app factory; no module state).
+
+Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
+GET /health, GET /metrics, and the internal POST /v1/kv/abort `{"request_id"}` that the router
+calls to free a prefill engine's pinned blocks when the decode leg failed.
+
+`kv_transfer_params` follow vLLM's NixlConnector: `do_remote_decode` makes this engine the
+prefill side (the reply carries the params a decode engine needs), `do_remote_prefill` makes
+it the decode side (it reads the prompt's KV before decoding). The connector request id is the
+`X-Request-Id` header when present (the router sends the same one on both legs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.types import Receive, Scope, Send
+
+from engine_shim import openai_types as ot
+from engine_shim.engine import Engine, EngineError, KVTransfer, RequestStream
+from engine_shim.sequence import GenerateRequest, KVRole, StepOutput
+
+log = logging.getLogger(__name__)
+
+_COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI / vLLM legacy-completions default
+
+
+class ManagedConnector(KVTransfer, Protocol):
+    """What the lifespan needs beyond the engine's calls: start/close and the lease view."""
+
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def leased_blocks(self) -> int: ...
+
+
+ConnectorFactory = Callable[[Engine], ManagedConnector]
+
+
+def create_app(engine: Engine, *, connector_factory: ConnectorFactory | None = None) -> FastAPI:
+    """Build the app around a loaded `engine`. The lifespan starts the engine loop and (when
+    `connector_factory` is given) the KV connector, and stops both on shutdown."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        connector = None
+        if connector_factory is not None:
+            # Started first: if its side channel cannot bind, startup fails with nothing
+            # else running.
+            connector = connector_factory(engine)
+            await asyncio.to_thread(connector.start)
+            engine.attach_connector(connector)
+            leased = connector.leased_blocks
+            engine.metrics.blocks_leased.set_function(lambda: float(leased()))
+        try:
+            await engine.start()
+            yield
+        finally:
+            await engine.stop()  # fails what is in flight and frees its blocks
+            if connector is not None:
+                engine.attach_connector(None)
+                await asyncio.to_thread(connector.close)  # frees the leased blocks
+
+    app = FastAPI(title="pdgate engine shim", lifespan=lifespan)
+    app.add_exception_handler(ot.RequestError, _request_error)  # type: ignore[arg-type]
+    app.add_exception_handler(EngineError, _engine_error)  # type: ignore[arg-type]
+    _add_routes(app, engine)
+    return app
+
+
+def _add_routes(app: FastAPI, engine: Engine) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = ot.decode_request(await request.body(), ot.CompletionRequest)
+        prompt = ot.completion_prompt(req.prompt)
+        if isinstance(prompt, str):
+            ids = engine.encode(prompt, add_special_tokens=req.add_special_tokens)
+        else:
+            ids = _check_token_ids(engine, prompt)
+        return await _serve(engine, request, req, ids, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = ot.decode_request(await request.body(), ot.ChatCompletionRequest)
+        messages = ot.chat_messages(req.messages)
+        try:
+            text = engine.render_chat(messages)
+        except Exception as e:  # a template may raise on roles it does not know
+            raise ot.RequestError(f"chat template failed: {e}", param="messages") from e
+        ids = engine.encode(text, add_special_tokens=req.add_special_tokens)
+        return await _serve(engine, request, req, ids, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        created = int(time.time())
+        data = [{"id": name, "object": "model", "created": created, "owned_by": "pdgate",
+                 "root": str(engine.model_dir), "max_model_len": engine.max_model_len}
+                for name in engine.served_model_names]
+        return _json({"object": "list", "data": data})
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/kv/abort")
+    async def kv_abort(request: Request) -> Response:
+        body = ot.decode_request(await request.body(), ot.AbortRequest)
+        if engine.connector is None:
+            raise ot.RequestError("this engine has no KV connector", status=404,
+                                  error_type="NotFoundError")
+        engine.connector.abort(body.request_id)
+        return _json({"request_id": body.request_id})
+
+    @app.get("/debug/kv_transfers")
+    async def kv_transfers() -> Response:
+        return _json({"transfers": list(engine.transfer_log)})
+
+
+async def _serve(
+    engine: Engine, request: Request, req: ot.CompletionRequest | ot.ChatCompletionRequest,
+    prompt_ids: list[int], *, chat: bool,
+) -> Response:
+    """Validate the rest of the request, admit it, and answer as JSON or SSE."""
+    gen, model = _generate_request(engine, request, req, prompt_ids, chat=chat)
+    stream = await engine.open(gen)
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    head = ot.ReplyHead(id=f"{'chatcmpl' if chat else 'cmpl'}-{gen.request_id}",
+                        created=int(time.time()), model=model, include_usage=include_usage)
+    headers = {"X-Request-Id": gen.request_id}
+    if req.stream:
+        return _ClosingStreamingResponse(
+            stream, _sse_events(stream, head, chat), media_type="text/event-stream",
+            headers=headers,
+        )
+    result = await _collect_unless_disconnected(request, stream)
+    if result is None:  # the client went away; nobody will read this
+        return Response(status_code=499)
+    text, final = result
+    body = ot.chat_body(head, text, final) if chat else ot.completion_body(head, text, final)
+    return _json(body, headers=headers)
+
+
+def _generate_request(
+    engine: Engine, request: Request, req: ot.CompletionRequest | ot.ChatCompletionRequest,
+    prompt_ids: list[int], *, chat: bool,
+) -> tuple[GenerateRequest, str]:
+    names = engine.served_model_names
+    if req.model is not None and req.model not in names:
+        raise ot.RequestError(f"The model `{req.model}` does not exist.", param="model",
+                              status=404, error_type="NotFoundError")
+    ot.check_unsupported(req)
+    budget = ot.max_tokens(req, None if chat else _COMPLETIONS_DEFAULT_MAX_TOKENS)
+    if budget is None:
+        budget = max(1, engine.max_model_len - len(prompt_ids))
+    if req.min_tokens < 0 or req.min_tokens > budget:
+        raise ot.RequestError(
+            f"min_tokens must be in [0, max_tokens={budget}], got {req.min_tokens}",
+            param="min_tokens",
+        )
+    params = ot.kv_transfer_params(req.kv_transfer_params)
+    role = KVRole.NONE
+    if params is not None:
+        role = KVRole.PREFILL if params.do_remote_decode else KVRole.DECODE
+    gen = GenerateRequest(
+        request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
+        prompt_ids=tuple(prompt_ids),
+        sampling=ot.sampling_params(req),
+        max_tokens=budget,
+        min_tokens=req.min_tokens,
+        stop=ot.stop_strings(req),
+        stop_token_ids=tuple(_check_token_ids(engine, req.stop_token_ids or [], "stop_token_ids")),
+        ignore_eos=req.ignore_eos,
+        role=role,
+        remote=req.kv_transfer_params if role is KVRole.DECODE else None,
+        remote_block_ids=tuple(params.remote_block_ids or []) if params else (),
+    )
+    return gen, req.model or names[0]
+
+
+async def _collect(stream: RequestStream) -> tuple[str, StepOutput]:
+    parts: list[str] = []
+    final: StepOutput | None = None
+    async with stream:
+        async for out in stream:
+            parts.append(out.text)
+            final = out
+    assert final is not None  # the stream always ends with a finished output
+    return "".join(parts), final
+
+
+async def _collect_unless_disconnected(
+    request: Request, stream: RequestStream
+) -> tuple[str, StepOutput] | None:
+    """Run the request to completion, cancelling it (and freeing its blocks) if the client
+    goes away first, as vLLM does for non-streaming requests."""
+    work = asyncio.ensure_future(_collect(stream))
+    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+            stream.close()
+    return None if work.cancelled() else work.result()
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _sse_events(
+    stream: RequestStream, head: ot.ReplyHead, chat: bool
+) -> AsyncIterator[bytes]:
+    final: StepOutput | None = None
+    async with stream:
+        if chat:
+            yield ot.sse(head.chunk(chat, [ot.stream_choice(chat, None, first=True)]))
+        try:
+            async for out in stream:
+                final = out
+                if not out.text and out.finish_reason is None:
+                    continue
+                chunk = head.chunk(chat, [ot.stream_choice(chat, out)])
+                if out.kv_transfer_params is not None:
+                    chunk["kv_transfer_params"] = out.kv_transfer_params
+                yield ot.sse(chunk)
+        except EngineError as e:
+            yield b"data: " + ot.error_body(str(e), e.error_type, e.status) + b"\n\n"
+    if final is not None and head.include_usage:
+        yield ot.sse({**head.chunk(chat, []), "usage": ot.usage(final)})
+    yield ot.SSE_DONE
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Closes the engine stream however the response ends. Starlette does not close the body
+    iterator when the client disconnects (the send fails in its frame, not ours), so without
+    this an abandoned stream would hold its KV blocks until garbage collection."""
+
+    def __init__(self, stream: RequestStream, content: AsyncIterator[bytes], **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._engine_stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._engine_stream.close()
+
+
+def _check_token_ids(engine: Engine, ids: list[int], param: str = "prompt") -> list[int]:
+    vocab = engine.model.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise ot.RequestError(f"token ids out of range [0, {vocab}): {bad[:8]}", param=param)
+    return ids
+
+
+def _json(body: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(msgspec.json.encode(body), status_code=status, headers=headers,
+                    media_type="application/json")
+
+
+async def _request_error(request: Request, exc: ot.RequestError) -> Response:
+    return Response(ot.error_body(exc.message, exc.error_type, exc.status, exc.param),
+                    status_code=exc.status, media_type="application/json")
+
+
+async def _engine_error(request: Request, exc: EngineError) -> Response:
+    if exc.status >= 500:
+        log.warning("request failed: %s", exc)
+    return Response(ot.error_body(str(exc), exc.error_type, exc.status),
+                    status_code=exc.status, media_type="application/json")

@@ -27,6 +27,12 @@ def _ports_free(base: int, count: int) -> bool:
     return True
 
 
+def device_args() -> list[str]:
+    """`PDGATE_TEST_DEVICE=cuda` runs the same end-to-end tests with CUDA engines (VRAM KV)."""
+    device = os.environ.get("PDGATE_TEST_DEVICE")
+    return ["--device", device] if device else []
+
+
 def free_port_range(count: int) -> int:
     """A base port with `count` consecutive free ports (the cluster numbers its engines)."""
     for _ in range(200):
@@ -97,7 +103,7 @@ def start_cluster(tmp: Path, model_dir: Path, *, prefill: int = 1, decode: int =
             "--prefill", str(prefill), "--decode", str(decode), "--port", str(router_port),
             "--engine-port-base", str(engine_base), "--side-channel-port-base", str(side_base),
             "--block-size", str(block_size), "--num-blocks", "256", "--log-dir", str(log_dir),
-            "--kv-digests",
+            "--kv-digests", *device_args(),
             *(extra or [])]
     if not demo:
         argv.append("--no-demo")

@@ -9,7 +9,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import openai
 import pytest
 
 from tests.e2e.cluster import Cluster, metric, start_cluster
@@ -43,6 +42,8 @@ def _complete(url: str, prompt: str, max_tokens: int = 24, **extra: object) -> d
 
 
 def test_openai_sdk_completions_chat_and_streaming(cluster: Cluster) -> None:
+    import openai
+
     client = openai.OpenAI(base_url=cluster.router + "/v1", api_key="unused")
     done = client.completions.create(model="tiny", prompt="Hello world", max_tokens=8,
                                      temperature=0, extra_body={"ignore_eos": True})

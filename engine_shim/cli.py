@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from types import FrameType
 
 from engine_shim.engine import Engine, EngineConfig
+from engine_shim.kv_layout import LAYOUTS
 from engine_shim.metrics import ShimMetrics
 from engine_shim.server import ConnectorFactory, ManagedConnector, create_app
 
@@ -55,15 +56,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-lease-seconds", type=float, default=30.0,
                    help="how long a prefill engine pins blocks for a decode engine that has "
                    "not read them yet")
+    p.add_argument("--kv-reserve-seconds", type=float, default=60.0,
+                   help="notify mode: how long a decode engine keeps blocks reserved for a "
+                   "prefill engine's write before freeing them unclaimed")
+    p.add_argument("--notify-secret", default=None,
+                   help="shared secret signing KV-ready notifications to the router "
+                   "(same as the router's --notify-secret)")
     p.add_argument("--no-kv-transfer", action="store_true",
                    help="start without the NIXL connector (colocated serving only; decode "
                    "requests recompute the prompt)")
+    p.add_argument("--kv-buffer-device", choices=["cpu", "cuda"], default=None,
+                   help="where the buffer NIXL registers lives (vLLM's kv_buffer_device): "
+                   "default the KV cache itself; 'cpu' registers a host (pinned on CUDA) "
+                   "staging buffer and copies the transferred blocks device <-> host, for "
+                   "devices or transports that cannot move device memory")
+    p.add_argument("--kv-layout", choices=sorted(LAYOUTS), default="block",
+                   help="KV cache memory layout: 'block' = [blocks, layers, K|V, ...] (a run "
+                   "of consecutive blocks is one NIXL descriptor), 'layer' = [layers, K|V, "
+                   "blocks, ...] (one descriptor per layer and K|V). P and D must agree")
     p.add_argument("--kv-digests", action="store_true",
                    help="hash handed-over and pulled KV blocks into GET /debug/kv_transfers "
                    "(tests: D's bytes equal P's; costs a copy of the blocks per request)")
     p.add_argument("--seed", type=int, default=None,
                    help="seeds the sampling of requests that bring no seed, so a run is "
                    "reproducible (default: fresh randomness per request)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="keep full prompt blocks after a request and reuse them for later "
+                   "prompts with the same prefix (reported as cached_tokens)")
+    p.add_argument("--kv-events-endpoint", default=None, metavar="ENDPOINT",
+                   help="bind a ZMQ PUB socket here and publish KV cache events in vLLM's "
+                   "format, e.g. tcp://0.0.0.0:5557 (for kv-events routing; default: off)")
+    p.add_argument("--kv-events-topic", default="", metavar="TOPIC",
+                   help="topic frame of published KV cache events")
     p.add_argument("--graceful-shutdown-timeout", type=int, default=10,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     p.add_argument("--log-level", default="info",
@@ -79,6 +104,7 @@ class ConnectorSettings:
     side_channel_host: str
     side_channel_port: int
     lease_seconds: float
+    notify_secret: str | None = None
 
 
 def nixl_connector_factory(settings: ConnectorSettings) -> ConnectorFactory:
@@ -91,12 +117,13 @@ def nixl_connector_factory(settings: ConnectorSettings) -> ConnectorFactory:
         connector: ManagedConnector = KVConnector(
             engine_id=settings.engine_id,
             model_name=engine.served_model_names[0],
-            kv=engine.kv,
+            kv=engine.transfer_memory,  # host staging mirror with --kv-buffer-device cpu
             side_channel_host=settings.side_channel_host,
             side_channel_port=settings.side_channel_port,
             lease_seconds=settings.lease_seconds,
             free_blocks=engine.free_blocks,
             metrics=engine.metrics,
+            notify_secret=settings.notify_secret,
         )
         return connector
 
@@ -115,6 +142,12 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         kv_digests=args.kv_digests,
         admission_timeout=args.admission_timeout,
+        prefix_caching=args.enable_prefix_caching,
+        kv_events_endpoint=args.kv_events_endpoint,
+        kv_events_topic=args.kv_events_topic,
+        reserve_seconds=args.kv_reserve_seconds,
+        kv_buffer_device=args.kv_buffer_device,
+        kv_layout=LAYOUTS[args.kv_layout],
     )
 
 
@@ -134,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             side_channel_host=args.side_channel_host,
             side_channel_port=args.side_channel_port,
             lease_seconds=args.kv_lease_seconds,
+            notify_secret=args.notify_secret,
         ))
     kv = engine.kv
     log.info("serving %s (max_model_len %d, %d blocks of %d) on http://%s:%d; model on %s, "

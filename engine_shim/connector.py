@@ -18,19 +18,38 @@ or the caller's thread (`abort`, `close`), so it must be thread-safe.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, InvalidStateError
 from typing import Protocol, TypeVar
+
+import msgspec
 
 from engine_shim.agent_thread import AgentThread, AgentThreadStopped
 from engine_shim.kv_layout import KVLayout
 from engine_shim.kv_params import PullParams, hold_params, parse_pull_params
-from engine_shim.kv_reader import BlockReader, Peer, mem_type
+from engine_shim.kv_reader import Peer, mem_type
+from engine_shim.kv_writer import BlockTransfer
 from engine_shim.leases import Lease, LeaseTable
 from engine_shim.metrics import ShimMetrics
 from engine_shim.nixl_agent import NixlAgent
+from engine_shim.push import (
+    LANDED_PREFIX,
+    REG_PREFIX,
+    UNREG_PREFIX,
+    Match,
+    PendingPushes,
+    Registration,
+    decode_registration,
+    encode_registration,
+    mode_of,
+    notify_target,
+)
 from engine_shim.side_channel import (
     HandshakePayload,
     SideChannelServer,
@@ -44,6 +63,8 @@ from engine_shim.transfer_errors import (
     KVTransferError,
     NixlAgentError,
 )
+from engine_shim.transport_probe import probe_transport
+from proxy import KVReady, NotifySender
 
 __all__ = ["KVConnector", "KVConnectorError", "KVHandshakeError", "KVTransferError", "KVMemory"]
 
@@ -52,7 +73,10 @@ log = logging.getLogger(__name__)
 _BUSY_POLL_S = 0.0005   # reads in flight: completion latency matters
 _LEASE_POLL_S = 0.002   # leases held: "done" notices free blocks; peers may need our progress
 _IDLE_POLL_S = 0.05     # nothing to do: stay cheap
+_LANDING_POLL_S = 0.001  # a request waits for a pushed WRITE's notice (can be a whole prefill)
 _OP = "read"
+_WRITE_OP = "write"
+_MAX_LANDINGS = 65536  # landing notices kept for requests nobody awaits yet (bounded)
 
 
 class KVMemory(Protocol):
@@ -79,6 +103,7 @@ class KVConnector:
         self, *, engine_id: str, model_name: str, kv: KVMemory, side_channel_host: str,
         side_channel_port: int, lease_seconds: float, free_blocks: Callable[[list[int]], None],
         metrics: ShimMetrics, transfer_timeout: float = 30.0, handshake_timeout: float = 5.0,
+        notify_secret: str | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.model_name = model_name
@@ -93,10 +118,21 @@ class KVConnector:
         self._leases = LeaseTable(lease_seconds)
         self._thread = AgentThread(f"nixl-{engine_id}", self._tick)
         self._agent: NixlAgent | None = None
-        self._reader: BlockReader | None = None
+        self._reader: BlockTransfer | None = None
         self._server: SideChannelServer | None = None
         self._handshake_locks: dict[str, asyncio.Lock] = {}
         self._closed = False
+        # Push/notify (P writes into D): prompts waiting for D's registration, writes in
+        # flight, landing notices on D, the KV-ready sender; see engine_shim/push.py.
+        self._pushes = PendingPushes(lease_seconds)
+        self._writing_blocks = 0
+        self._write_tasks: set[asyncio.Task[None]] = set()
+        self._landings: OrderedDict[str, Future[None]] = OrderedDict()
+        self._landings_lock = threading.Lock()
+        self._expected: set[str] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._notify_secret = notify_secret
+        self._sender: NotifySender | None = None
 
     @property
     def side_channel_port(self) -> int:
@@ -107,7 +143,8 @@ class KVConnector:
     def start(self) -> None:
         """Create the agent, register the KV buffer, prepare the local descriptor list, start
         the agent thread and the side channel. Blocking (call before serving). On failure
-        everything set up so far is torn down and KVConnectorError is raised."""
+        everything set up so far is torn down and KVConnectorError is raised. With VRAM KV
+        it then runs the transport probe (`transport_probe`: logs, metrics, never fails)."""
         try:
             self._thread.start()
             metadata = self._thread.call(self._open_agent)
@@ -118,19 +155,24 @@ class KVConnector:
                 model_name=self.model_name,
                 compat_hash=compat_hash(self.model_name, self._kv.layout),
             )
-            self._server = SideChannelServer(self._host, self._port, payload)
+            self._server = SideChannelServer(
+                self._host, self._port, payload,
+                on_request=lambda result: self._metrics.handshakes.labels(
+                    result="side_channel_" + result).inc())
             self._server.start()
         except Exception:
             self.close()
             raise
         log.info("KV connector %s up: agent %s, side channel %s:%d", self.engine_id,
                  self.agent_name, self._host, self._server.port)
+        if self._kv.mem_type == "VRAM":  # catch a silently emulated UCX path before serving
+            probe_transport("VRAM", self._kv.device_id, self._metrics, name=self.agent_name)
 
     def _open_agent(self) -> bytes:
         kv = self._kv
         agent = NixlAgent(self.agent_name)
         agent.register(kv.base_addr, kv.layout.total_bytes, mem_type(kv.mem_type), kv.device_id)
-        self._reader = BlockReader(agent, kv.layout, kv.base_addr, kv.mem_type, kv.device_id)
+        self._reader = BlockTransfer(agent, kv.layout, kv.base_addr, kv.mem_type, kv.device_id)
         self._agent = agent
         return agent.metadata()
 
@@ -147,6 +189,12 @@ class KVConnector:
                 log.warning("closing the NIXL agent failed: %s", e)
             self._thread.stop()
         self._release(self._leases.pop_all(), None)
+        held = self._pushes.pop_all()
+        if held:
+            self._free_blocks(list(held))
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
 
     def _close_agent(self) -> None:
         if self._reader is not None:
@@ -171,12 +219,23 @@ class KVConnector:
         )
 
     def abort(self, request_id: str) -> None:
-        """Free every lease `request_id` holds now (router abort, failed decode leg)."""
+        """Free every lease `request_id` holds now (router abort, failed decode leg), and any
+        prompt of it still waiting for a push registration."""
         self._release(self._leases.pop_request(request_id), None)
+        held = self._pushes.abort(request_id)
+        if held:
+            self._free_blocks(list(held))
+        with self._landings_lock:  # D waiting for a push that will not come: stop waiting
+            fut = self._landings.get(request_id)
+        if fut is not None:
+            with contextlib.suppress(InvalidStateError):  # it landed meanwhile
+                fut.set_exception(KVTransferError("the router aborted the push",
+                                                  reason="aborted"))
 
     def leased_blocks(self) -> int:
-        """Blocks pinned for remote readers right now."""
-        return self._leases.blocks
+        """Blocks pinned for remote peers right now (pull leases, prompts waiting for a push
+        registration, writes in flight)."""
+        return self._leases.blocks + self._pushes.blocks + self._writing_blocks
 
     def _release(self, leases: list[Lease], counter_name: str | None) -> None:
         for lease in leases:
@@ -200,6 +259,9 @@ class KVConnector:
             return _IDLE_POLL_S
         for msgs in self._agent.get_notifs().values():
             for msg in msgs:
+                if msg.startswith(b"pdgate:"):
+                    self._on_push_notice(msg)
+                    continue
                 lease_id = msg.rsplit(b":", 1)[0].decode("utf-8", "replace")
                 lease = self._leases.pop(lease_id)
                 if lease is None:
@@ -208,9 +270,17 @@ class KVConnector:
                     self._release([lease], "released")
         reads_in_flight = self._reader.poll()
         self._release(self._leases.pop_expired(), "expired")
-        if reads_in_flight:
+        for rid, blocks in self._pushes.expire():
+            log.warning("request %s: no push registration in time; %d blocks freed", rid,
+                        len(blocks))
+            self._metrics.leases_expired.inc()
+            self._free_blocks(list(blocks))
+        if reads_in_flight or self._writing_blocks:
             return _BUSY_POLL_S
-        return _LEASE_POLL_S if len(self._leases) else _IDLE_POLL_S
+        if self._awaiting_landing():
+            return _LANDING_POLL_S
+        busy = len(self._leases) or len(self._pushes) or self._landings
+        return _LEASE_POLL_S if busy else _IDLE_POLL_S
 
     # -- D side ---------------------------------------------------------------------------
     async def pull(self, params: Mapping[str, object], local_block_ids: list[int]) -> int:
@@ -219,14 +289,28 @@ class KVConnector:
         `transfer_timeout`, twice that when a read from a cached peer fails and a re-handshake
         finds a new agent (P restarted). Once it returns or raises, NIXL no longer writes the
         local blocks (unless cancelling a timed-out read failed, which is logged). Raises
-        KVTransferError (KVHandshakeError for handshakes), never blocks the event loop."""
+        KVTransferError (KVHandshakeError for handshakes), never blocks the event loop.
+        P's block size must equal ours (else use `pull_tokens`)."""
+        return await self._pull(params, list(local_block_ids), None)
+
+    async def pull_tokens(self, params: Mapping[str, object], local_block_ids: list[int],
+                          num_tokens: int) -> int:
+        """Like `pull`, for a `num_tokens` prompt whose blocks on this engine are
+        `local_block_ids` (all of them, in order). P's block size may differ from ours: the
+        prompt's tokens are then mapped onto our blocks (`block_mapping.py`); with equal
+        sizes P's blocks go to the first `len(remote_block_ids)` local ones, as in `pull`.
+        Returns the bytes read; tokens received = bytes / (2 * num_layers * token_bytes)."""
+        return await self._pull(params, list(local_block_ids), num_tokens)
+
+    async def _pull(self, params: Mapping[str, object], local: list[int],
+                    num_tokens: int | None) -> int:
         t0 = time.perf_counter()
         try:
             req = parse_pull_params(params)
-            if len(req.block_ids) != len(local_block_ids):
+            if num_tokens is None and len(req.block_ids) != len(local):
                 raise KVTransferError(
-                    f"{len(req.block_ids)} remote blocks but {len(local_block_ids)} local")
-            nbytes = await self._pull_with_retry(req, list(local_block_ids))
+                    f"{len(req.block_ids)} remote blocks but {len(local)} local")
+            nbytes = await self._pull_with_retry(req, local, num_tokens)
         except KVTransferError as e:
             self._metrics.kv_transfer_failures.labels(op=_OP, reason=e.reason).inc()
             raise
@@ -235,10 +319,11 @@ class KVConnector:
         self._metrics.kv_transfer_seconds.labels(op=_OP).observe(time.perf_counter() - t0)
         return nbytes
 
-    async def _pull_with_retry(self, req: PullParams, local: list[int]) -> int:
+    async def _pull_with_retry(self, req: PullParams, local: list[int],
+                               num_tokens: int | None) -> int:
         peer, fresh = await self._peer(req)
         try:
-            return await self._read(peer, req, local)
+            return await self._read(peer, req, local, num_tokens)
         except KVTransferError as e:
             if fresh or e.reason != "transfer":
                 raise
@@ -249,18 +334,39 @@ class KVConnector:
             new_peer, _ = await self._peer(req)
             if new_peer.agent_name == peer.agent_name:
                 raise
-            return await self._read(new_peer, req, local)
+            return await self._read(new_peer, req, local, num_tokens)
 
-    async def _read(self, peer: Peer, req: PullParams, local: list[int]) -> int:
+    async def _read(self, peer: Peer, req: PullParams, local: list[int],
+                    num_tokens: int | None) -> int:
         deadline = time.monotonic() + self._transfer_timeout
         notif = f"{req.request_id}:1".encode()  # vLLM's "<remote_request_id>:<tp_size>"
-        done = await self._submit(lambda: self._get_reader().start_read(
-            peer, local, req.block_ids, notif, deadline))
+        done = await self._submit(lambda: self._start_read(
+            peer, local, req.block_ids, num_tokens, notif, deadline))
         try:  # the agent thread enforces the deadline; the extra second guards a stuck thread
             return await asyncio.wait_for(asyncio.wrap_future(done), self._transfer_timeout + 1)
         except TimeoutError as e:
             raise KVTransferError(f"KV read from {req.engine_id} timed out",
                                   reason="timeout") from e
+
+    def _start_read(self, peer: Peer, local: list[int], remote: tuple[int, ...],
+                    num_tokens: int | None, notif: bytes, deadline: float) -> Future[int]:
+        """Agent thread: whole blocks when the block sizes match (prepared descriptors),
+        else the prompt's tokens mapped between the two block sizes."""
+        reader = self._get_reader()
+        if peer.layout.block_size != self._kv.layout.block_size:
+            if num_tokens is None:
+                raise KVTransferError(
+                    f"block size {peer.layout.block_size} of {peer.engine_id} differs from "
+                    f"ours ({self._kv.layout.block_size}); the prompt length is needed",
+                    reason="params")
+            return reader.start_mapped("READ", peer, local, remote, num_tokens, notif,
+                                       deadline)
+        if num_tokens is not None:
+            if len(remote) > len(local):
+                raise KVTransferError(f"{len(remote)} remote blocks but {len(local)} local",
+                                      reason="params")
+            local = local[:len(remote)]
+        return reader.start_read(peer, local, remote, notif, deadline)
 
     async def _peer(self, req: PullParams) -> tuple[Peer, bool]:
         """The cached peer for `req.engine_id`, handshaking first if there is none or if P's
@@ -295,8 +401,232 @@ class KVConnector:
         except AgentThreadStopped as e:
             raise KVTransferError(f"KV connector is closed: {e}") from e
 
-    def _get_reader(self) -> BlockReader:
+    def _get_reader(self) -> BlockTransfer:
         if self._reader is None:
             raise KVTransferError("KV connector is not started")
         return self._reader
 
+
+    # -- push / notify: P WRITEs into D (engine_shim/push.py) ------------------------------
+    def kv_info(self) -> dict[str, object]:
+        """What a router needs to point a peer at this engine (GET /v1/kv/info)."""
+        return {"engine_id": self.engine_id, "agent_name": self.agent_name,
+                "host": self._host, "port": self.side_channel_port,
+                "block_size": self._kv.layout.block_size,
+                "num_blocks": self._kv.layout.num_blocks,
+                "kv_layout": self._kv.layout.layout}
+
+    def push_blocks(self, request_id: str, block_ids: list[int], num_tokens: int,
+                    params: Mapping[str, object]) -> dict[str, object]:
+        """P: a finished prompt's blocks (now owned by the connector) go to D by WRITE:
+        at once in notify mode (D's blocks are in `params`), or once D's registration is
+        here in push mode. The blocks are freed when the write ends, fails or expires.
+        Returns the prefill reply's `kv_transfer_params`. Event-loop thread only; raises
+        KVTransferError (bad params, table full: the caller keeps the blocks)."""
+        if self._closed:
+            raise KVConnectorError("KV connector is closed")
+        self._loop = asyncio.get_running_loop()
+        mode = mode_of(params)
+        if mode == "notify":
+            self._spawn_write(Match(request_id, tuple(block_ids), num_tokens,
+                                    notify_target(params)))
+        else:
+            match = self._pushes.offer(request_id, block_ids, num_tokens, params)
+            if match is not None:
+                self._spawn_write(match)
+        return {"pdgate_mode": mode, "do_remote_prefill": False, "do_remote_decode": False,
+                "remote_engine_id": self.engine_id, "num_tokens": num_tokens}
+
+    def _spawn_write(self, match: Match) -> None:
+        self._writing_blocks += len(match.block_ids)
+        task = asyncio.create_task(self._write_and_notify(match))
+        self._write_tasks.add(task)
+        task.add_done_callback(self._write_tasks.discard)
+
+    async def _write_and_notify(self, m: Match) -> None:
+        t0 = time.perf_counter()
+        error: str | None = None
+        try:
+            nbytes = await self._write(m)
+        except (KVTransferError, KVConnectorError) as e:
+            error = str(e)
+            reason = e.reason if isinstance(e, KVTransferError) else "transfer"
+            self._metrics.kv_transfer_failures.labels(op=_WRITE_OP, reason=reason).inc()
+            log.warning("request %s: KV write to %s failed: %s", m.request_id,
+                        m.target.engine_id, e)
+        else:
+            self._metrics.kv_transfers.labels(op=_WRITE_OP).inc()
+            self._metrics.kv_transfer_bytes.labels(op=_WRITE_OP).inc(nbytes)
+            self._metrics.kv_transfer_seconds.labels(op=_WRITE_OP).observe(
+                time.perf_counter() - t0)
+        finally:  # NIXL no longer touches the blocks once the write ended (or was released)
+            self._writing_blocks -= len(m.block_ids)
+            self._free_blocks(list(m.block_ids))
+        self._send_kv_ready(m, error)
+
+    async def _write(self, m: Match) -> int:
+        t = m.target
+        if t.deadline is not None and time.time() > t.deadline:
+            raise KVTransferError("the router's KV-ready deadline passed before the write",
+                                  reason="timeout")
+        req = PullParams(engine_id=t.engine_id, request_id=t.tag, block_ids=t.block_ids,
+                         host=t.host, port=t.port, agent_name=t.agent_name)
+        peer, _ = await self._peer(req)
+        deadline = time.monotonic() + self._transfer_timeout
+        notif = LANDED_PREFIX + t.tag.encode()
+        done = await self._submit(lambda: self._start_write(peer, m, notif, deadline))
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(done), self._transfer_timeout + 1)
+        except TimeoutError as e:
+            raise KVTransferError(f"KV write to {t.engine_id} timed out",
+                                  reason="timeout") from e
+
+    def _start_write(self, peer: Peer, m: Match, notif: bytes, deadline: float) -> Future[int]:
+        """Agent thread: P's blocks into D's, whole blocks when the block sizes match, else
+        the prompt's tokens mapped between the two block sizes."""
+        writer, t = self._get_reader(), m.target
+        if peer.layout.block_size != self._kv.layout.block_size:
+            return writer.start_mapped("WRITE", peer, list(m.block_ids), t.block_ids,
+                                       m.num_tokens, notif, deadline)
+        if len(m.block_ids) > len(t.block_ids):
+            raise KVTransferError(f"{len(m.block_ids)} prompt blocks but D has "
+                                  f"{len(t.block_ids)}", reason="params")
+        return writer.start_write(peer, list(m.block_ids), t.block_ids[:len(m.block_ids)],
+                                  notif, deadline)
+
+    def _send_kv_ready(self, m: Match, error: str | None) -> None:
+        t = m.target
+        if t.notify_endpoint is None:
+            return
+        if self._sender is None:
+            self._sender = NotifySender(secret=self._notify_secret)
+        msg = KVReady(request_id=t.notify_request_id or m.request_id, engine_id=self.engine_id,
+                      num_tokens=m.num_tokens, num_blocks=len(m.block_ids),
+                      status="failed" if error else "ok", error=error)
+        if not self._sender.send(t.notify_endpoint, msg):
+            log.warning("request %s: KV-ready queue to %s is full; notice dropped",
+                        m.request_id, t.notify_endpoint)
+
+    def _on_push_notice(self, msg: bytes) -> None:
+        """Agent thread: a registration / unregistration (we are P) or a landing (we are D)."""
+        if msg.startswith(LANDED_PREFIX):
+            self._set_landed(msg[len(LANDED_PREFIX):].decode("utf-8", "replace"))
+        elif msg.startswith(UNREG_PREFIX):
+            self._pushes.unregister(msg[len(UNREG_PREFIX):].decode("utf-8", "replace"))
+        elif msg.startswith(REG_PREFIX):
+            try:
+                reg = decode_registration(msg)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.warning("malformed push registration dropped: %s", e)
+                return
+            match = self._pushes.register(reg)
+            loop = self._loop
+            if match is not None and loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self._spawn_write, match)
+
+    # -- D side of push / notify --------------------------------------------------------
+    # Landings: one concurrent Future per tag, set by the agent thread when P's notice
+    # arrives (possibly before anyone waits for it). `_expected` holds the tags still
+    # waited for, so the agent thread polls fast only while one is outstanding.
+    def _landing(self, tag: str) -> Future[None]:
+        with self._landings_lock:
+            fut = self._landings.get(tag)
+            if fut is None:
+                fut = self._landings[tag] = Future()
+                while len(self._landings) > _MAX_LANDINGS:
+                    old, _ = self._landings.popitem(last=False)
+                    self._expected.discard(old)
+            return fut
+
+    def _set_landed(self, tag: str) -> None:
+        fut = self._landing(tag)
+        with self._landings_lock:
+            self._expected.discard(tag)
+        with contextlib.suppress(InvalidStateError):  # landed twice, or aborted meanwhile
+            fut.set_result(None)
+
+    def _awaiting_landing(self) -> bool:
+        return bool(self._expected)
+
+    def expect_landing(self, tag: str) -> None:
+        """D: a WRITE tagged `tag` is coming (keep UCX progressing for it)."""
+        self._landing(tag)
+
+    def _await_starts(self, tag: str) -> Future[None]:
+        fut = self._landing(tag)
+        with self._landings_lock:
+            if not fut.done():
+                self._expected.add(tag)  # poll fast while someone waits for it
+        return fut
+
+    def forget_landing(self, tag: str) -> None:
+        with self._landings_lock:
+            self._landings.pop(tag, None)
+            self._expected.discard(tag)
+
+    async def await_landing(self, tag: str, timeout: float) -> bool:
+        """D: wait (at most `timeout` s) for P's notice that the WRITE tagged `tag` landed
+        (NIXL delivers it after the data). True when it did; the entry is then forgotten."""
+        fut = self._await_starts(tag)
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout)
+            return True
+        except (TimeoutError, KVTransferError):
+            return False
+        finally:
+            self.forget_landing(tag)
+
+    async def await_push(self, params: Mapping[str, object], request_id: str,
+                         local_block_ids: list[int], num_tokens: int) -> int:
+        """D in push mode: register `local_block_ids` with P (named in `params`) and wait
+        until P's WRITE landed; returns the bytes received. Raises KVTransferError on a bad
+        peer or when nothing landed within the transfer timeout (P is then told to drop the
+        registration)."""
+        t0 = time.perf_counter()
+        try:
+            req = push_peer_params(params, request_id)
+            peer, _ = await self._peer(req)
+            self.expect_landing(request_id)
+            reg = Registration(request_id, self.engine_id, self._host, self.side_channel_port,
+                               self.agent_name, list(local_block_ids), num_tokens)
+            await self._submit(lambda: self._get_reader().send_notif(
+                peer, encode_registration(reg)))
+            if not await self.await_landing(request_id, self._transfer_timeout):
+                raise KVTransferError(f"no KV pushed by {req.engine_id} in time",
+                                      reason="timeout")
+        except BaseException as e:
+            self._unregister_later(params, request_id)
+            if isinstance(e, KVTransferError):
+                self._metrics.kv_transfer_failures.labels(op="push", reason=e.reason).inc()
+            raise
+        layout = self._kv.layout
+        nbytes = len(local_block_ids) * layout.block_bytes * layout.num_layers * 2
+        self._metrics.kv_transfer_seconds.labels(op="push").observe(time.perf_counter() - t0)
+        return nbytes
+
+    def _unregister_later(self, params: Mapping[str, object], request_id: str) -> None:
+        self.forget_landing(request_id)
+        engine_id = params.get("remote_engine_id")
+        if not isinstance(engine_id, str) or self._reader is None:
+            return
+        reader = self._reader
+
+        def unregister() -> None:
+            peer = reader.peer(engine_id)
+            if peer is not None:
+                reader.send_notif(peer, UNREG_PREFIX + request_id.encode())
+
+        self._thread.submit(unregister)
+
+
+def push_peer_params(params: Mapping[str, object], request_id: str) -> PullParams:
+    """P's side channel from a push-mode decode leg's params (KVTransferError if absent)."""
+    engine_id, host, port = (params.get(k) for k in
+                             ("remote_engine_id", "remote_host", "remote_port"))
+    if not isinstance(engine_id, str) or not isinstance(host, str) or \
+            not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise KVTransferError("push mode needs remote_engine_id, remote_host and remote_port "
+                              "of the prefill engine", reason="params")
+    agent = params.get("remote_agent_name")
+    return PullParams(engine_id=engine_id, request_id=request_id, block_ids=(), host=host,
+                      port=port, agent_name=agent if isinstance(agent, str) else None)

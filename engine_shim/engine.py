@@ -22,18 +22,25 @@ import hashlib
 import itertools
 import logging
 import random
+import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from engine_shim.kv_cache import BlockPool, PagedKVCache
+from engine_shim.kv_events import KVEventPublisher
+from engine_shim.kv_layout import LAYOUT_NAME
 from engine_shim.metrics import ShimMetrics
 from engine_shim.model import LlamaModel
+from engine_shim.prefix_cache import PrefixCache
+from engine_shim.push import mode_of
+from engine_shim.reservations import Reservation, Reservations
+from engine_shim.sampler import SamplingParams
 from engine_shim.scheduler import Scheduler
 from engine_shim.sequence import (
     EngineError,
@@ -46,6 +53,7 @@ from engine_shim.sequence import (
     Sequence,
     StepOutput,
 )
+from engine_shim.staging import HostStaging, create_staging
 from engine_shim.transfer_errors import KVConnectorError
 
 __all__ = [
@@ -56,6 +64,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _TRANSFER_LOG_LEN = 256  # entries kept for GET /debug/kv_transfers
+_LANDING_TIMEOUT_S = 10.0  # notify: P's write notice trails the router's KV-ready by ~ms
+_PUSH_GRACE_S = 2.0  # push: blocks of a cancelled wait stay out of the pool this long
 
 
 @dataclass(frozen=True)
@@ -80,6 +90,18 @@ class EngineConfig:
     seed: int | None = None
     kv_digests: bool = False
     admission_timeout: float = 60.0
+    reserve_seconds: float = 60.0  # notify mode: unclaimed D reservations expire after this
+    # Prefix caching (prefix_cache.py): off by default here so library users and unit tests
+    # measure cold prompts; the CLI turns it on, as vLLM does. `kv_events_endpoint`: bind a
+    # ZMQ PUB socket there and publish KV cache events in vLLM's format (kv_events.py).
+    prefix_caching: bool = False
+    kv_events_endpoint: str | None = None
+    kv_events_topic: str = ""
+    # Where the NIXL-registered KV buffer lives (vLLM's kv_buffer_device): None = the KV
+    # cache itself; "cpu" = a host staging mirror (staging.py) that transfers copy through.
+    kv_buffer_device: str | None = None
+    # KV cache memory layout (kv_layout.LAYOUTS values): block-major by default.
+    kv_layout: str = LAYOUT_NAME
 
 
 class KVTransfer(Protocol):
@@ -97,6 +119,33 @@ class KVTransfer(Protocol):
     def abort(self, request_id: str) -> None:
         """Release the leases of `request_id` (router's abort after a failed decode leg)."""
         ...
+
+
+@runtime_checkable
+class KVPullTokens(Protocol):
+    """A connector that maps a prompt's tokens when P's block size differs from ours."""
+
+    async def pull_tokens(self, params: Mapping[str, object], local_block_ids: list[int],
+                          num_tokens: int) -> int: ...
+
+
+@runtime_checkable
+class KVPush(Protocol):
+    """The connector calls of the notify/push flows (P WRITEs into D; engine_shim/push.py)."""
+
+    def push_blocks(self, request_id: str, block_ids: list[int], num_tokens: int,
+                    params: Mapping[str, object]) -> dict[str, Any]:
+        """P: hand a finished prompt's blocks over for a WRITE into D; the reply params."""
+        ...
+
+    def expect_landing(self, tag: str) -> None: ...
+
+    def forget_landing(self, tag: str) -> None: ...
+
+    async def await_landing(self, tag: str, timeout: float) -> bool: ...
+
+    async def await_push(self, params: Mapping[str, object], request_id: str,
+                         local_block_ids: list[int], num_tokens: int) -> int: ...
 
 
 class Engine:
@@ -120,19 +169,35 @@ class Engine:
         self.metrics = metrics
         self.block_size = config.block_size
         self.max_model_len = _max_model_len(config, model)
-        self.kv = PagedKVCache(model.make_kv_layout(config.num_blocks, config.block_size),
+        self.kv = PagedKVCache(model.make_kv_layout(config.num_blocks, config.block_size,
+                                                     config.kv_layout),
                                device=str(model.device))
-        self.pool = BlockPool(config.num_blocks)
+        self.staging: HostStaging | None = create_staging(self.kv, config.kv_buffer_device,
+                                                          metrics.registry)
+        cache = PrefixCache(config.block_size) if config.prefix_caching else None
+        self.pool = BlockPool(config.num_blocks, cache)
+        self.kv_events: KVEventPublisher | None = None
+        if config.kv_events_endpoint is not None:
+            self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.block_size,
+                                              metrics, config.kv_events_topic)
         self.eos_ids = frozenset(_eos_ids(model, tokenizer))
         self.connector: KVTransfer | None = None
         self.transfer_log: deque[dict[str, Any]] = deque(maxlen=_TRANSFER_LOG_LEN)
-        self.scheduler = Scheduler(model, self.kv, self.pool, metrics, self._finish)
+        self.scheduler = Scheduler(model, self.kv, self.pool, metrics, self._finish,
+                                   after_step=self._publish_kv_events)
+        self.reservations = Reservations(config.reserve_seconds, self.free_blocks,
+                                         on_gone=self._forget_landing)
+        # Decode sequences admitted into reserved (notify) blocks -> the landing tag to await.
+        self._landing_for: weakref.WeakKeyDictionary[Sequence, str] = \
+            weakref.WeakKeyDictionary()
+        self._reaper: asyncio.Task[None] | None = None
         self._admit_counter = itertools.count()
         # Per-request seeds for requests without one when the engine has a seed (vLLM's
         # --seed): the same requests in the same order sample the same tokens.
         self._seeds = None if config.seed is None else random.Random(config.seed)
         metrics.blocks_total.set(config.num_blocks)
         metrics.blocks_free.set_function(lambda: self.pool.num_free)
+        metrics.blocks_cached.set_function(lambda: self.pool.num_cached)
 
     @classmethod
     def load(cls, config: EngineConfig, metrics: ShimMetrics) -> Engine:
@@ -160,6 +225,12 @@ class Engine:
         """Requests queued for KV blocks (not yet admitted)."""
         return self.scheduler.num_waiting
 
+    @property
+    def transfer_memory(self) -> PagedKVCache | HostStaging:
+        """What the KV connector registers with NIXL: the host staging mirror when
+        `kv_buffer_device="cpu"`, else the KV cache itself."""
+        return self.kv if self.staging is None else self.staging
+
     def attach_connector(self, connector: KVTransfer | None) -> None:
         """Set the KV connector (the server's lifespan does, after `connector.start()`)."""
         self.connector = connector
@@ -181,11 +252,34 @@ class Engine:
 
     async def start(self) -> None:
         """Start the model thread and the scheduling loop in the running event loop."""
+        if self.kv_events is not None:
+            self.kv_events.start()  # first: a port that cannot be bound fails startup
         await self.scheduler.start()
+        self._reaper = asyncio.create_task(self._reap_reservations(), name="shim-reserve-reaper")
 
     async def stop(self) -> None:
         """Stop the loop, fail what is in flight, free every block it held."""
+        if self._reaper is not None:
+            self._reaper.cancel()
+            await asyncio.gather(self._reaper, return_exceptions=True)
+            self._reaper = None
         await self.scheduler.stop()
+        self.reservations.release_all()
+        self._publish_kv_events()
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    def _publish_kv_events(self) -> None:
+        """Scheduler hook, once per step: send the prefix cache's events (or drop them)."""
+        events = self.pool.take_events()
+        if events and self.kv_events is not None:
+            self.kv_events.publish(events)
+
+    async def _reap_reservations(self, interval: float = 0.5) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            if self.reservations.expire():
+                log.warning("notify-mode reservations expired unclaimed; blocks freed")
 
     def free_blocks(self, block_ids: list[int]) -> None:
         """Return blocks to the pool from any thread (the connector frees leases with this)
@@ -223,8 +317,12 @@ class Engine:
             max_model_len=self.max_model_len,
             admit_order=next(self._admit_counter),
         )
+        if req.role is not KVRole.DECODE:  # a pull/push target's blocks are written remotely
+            self.scheduler.use_prefix_cache(seq)
         timeout = self.config.admission_timeout
-        if not self.scheduler.try_allocate(seq):
+        if self._claim_reservation(seq):
+            pass  # its prompt's blocks were reserved (notify mode): admitted already
+        elif not self.scheduler.try_allocate(seq):
             if not await self.scheduler.wait_for_blocks(seq, timeout):
                 raise OutOfKVBlocks(
                     f"out of KV cache blocks: waited {timeout:g}s for "
@@ -233,16 +331,145 @@ class Engine:
                 )
         return RequestStream(self, seq)
 
+    async def reserve(self, request_id: str, num_tokens: int) -> Reservation:
+        """Notify mode (D): set aside the blocks of a `num_tokens` prompt that P will WRITE,
+        waiting FIFO for them like an admission. Raises PromptTooLong (400), OutOfKVBlocks
+        (503) or EngineStopped (503). The blocks are the reservation's until a decode
+        request claims them, `reservations.release` or the TTL frees them."""
+        if not self.scheduler.running:
+            raise EngineStopped("engine is not running")
+        if not 0 < num_tokens < self.max_model_len:
+            raise PromptTooLong(f"cannot reserve {num_tokens} tokens "
+                                f"(max_model_len {self.max_model_len})")
+        placeholder = GenerateRequest(request_id=request_id, prompt_ids=(0,) * num_tokens,
+                                      sampling=SamplingParams(), max_tokens=1)
+        seq = Sequence(req=placeholder, detok=IncrementalDetokenizer(self.tokenizer, ()),
+                       eos_ids=self.eos_ids, max_model_len=self.max_model_len,
+                       admit_order=next(self._admit_counter))
+        timeout = self.config.admission_timeout
+        if not self.scheduler.try_allocate(seq) and \
+                not await self.scheduler.wait_for_blocks(seq, timeout):
+            raise OutOfKVBlocks(f"out of KV cache blocks: waited {timeout:g}s to reserve "
+                                f"{self.scheduler.blocks_for(num_tokens)} blocks")
+        blocks, seq.block_ids = seq.block_ids, []
+        r = self.reservations.add(request_id, blocks, num_tokens)
+        if isinstance(self.connector, KVPush):
+            self.connector.expect_landing(r.reservation_id)
+        return r
+
+    def _forget_landing(self, tag: str) -> None:
+        if isinstance(self.connector, KVPush):
+            self.connector.forget_landing(tag)
+
+    def _claim_reservation(self, seq: Sequence) -> bool:
+        """A notify-mode decode takes its reserved blocks; True when they cover the prompt
+        (it then awaits the landing in `_prepare`). A size mismatch frees them and the
+        prompt is recomputed."""
+        params = seq.req.remote
+        if seq.req.role is not KVRole.DECODE or mode_of(params) != "notify":
+            return False
+        rid = params.get("reservation_id")
+        r = self.reservations.claim(rid) if isinstance(rid, str) else None
+        if r is None or r.num_tokens != seq.num_prompt:
+            if r is not None:
+                self.free_blocks(list(r.block_ids))
+                self._forget_landing(r.reservation_id)
+            log.warning("request %s: reservation %r missing or for another prompt size; "
+                        "recomputing the prompt", seq.req.request_id, rid)
+            self.metrics.requests.labels(role="decode", status="recompute").inc()
+            return False
+        seq.block_ids = list(r.block_ids)
+        self._landing_for[seq] = r.reservation_id
+        return True
+
     async def _prepare(self, seq: Sequence) -> None:
-        """Runs on the request's first read: pull remote KV if asked, then hand to the loop."""
+        """Runs on the request's first read: get the remote KV if asked (pull: READ; notify:
+        await the landed WRITE; push: register with P and await it), then hand to the loop."""
         if seq.req.role is KVRole.DECODE:
-            await self._pull_remote(seq)
+            mode = mode_of(seq.req.remote)
+            if mode == "notify":
+                await self._await_notified(seq)
+            elif mode == "push":
+                await self._await_pushed(seq)
+            else:
+                await self._pull_remote(seq)
         self.scheduler.submit(seq)
+
+    async def _await_notified(self, seq: Sequence) -> None:
+        tag = self._landing_for.pop(seq, None)
+        if tag is None:
+            return  # no reservation: recompute (counted in _claim_reservation)
+        landed = isinstance(self.connector, KVPush) and await self.connector.await_landing(
+            tag, _LANDING_TIMEOUT_S)
+        if not landed:
+            log.warning("request %s: P's write notice for %s did not arrive; recomputing",
+                        seq.req.request_id, tag)
+            self.metrics.requests.labels(role="decode", status="recompute").inc()
+            return
+        if await self._stage_in(seq, list(seq.block_ids)):
+            self._mark_transferred(seq, len(seq.block_ids), "decode-notify")
+
+    async def _await_pushed(self, seq: Sequence) -> None:
+        connector = self.connector
+        n = seq.num_prompt
+        if not isinstance(connector, KVPush):
+            self.metrics.requests.labels(role="decode", status="recompute").inc()
+            return
+        local = seq.block_ids[: self.scheduler.blocks_for(n)]
+        try:
+            await connector.await_push(seq.req.remote, seq.req.request_id, local, n)
+        except asyncio.CancelledError:
+            # P may be writing into these blocks right now (it was told to stop): keep them
+            # out of the pool a little longer.
+            blocks, seq.block_ids = seq.block_ids, []
+            asyncio.get_running_loop().call_later(_PUSH_GRACE_S, self.free_blocks, blocks)
+            raise
+        except Exception as e:
+            log.warning("request %s: KV push failed (%s: %s); recomputing the prompt",
+                        seq.req.request_id, type(e).__name__, e)
+            self.metrics.requests.labels(role="decode", status="recompute").inc()
+            return
+        if await self._stage_in(seq, local):
+            self._mark_transferred(seq, len(local), "decode-push")
+
+    def _mark_transferred(self, seq: Sequence, blocks: int, role: str) -> None:
+        # The last prompt token is always recomputed: its logits give the first new token.
+        seq.num_computed = min(blocks * self.block_size, seq.num_prompt - 1)
+        seq.num_cached_tokens = seq.num_computed
+        layout = self.kv.layout
+        self._log_transfer(seq.req.request_id, role, seq.block_ids[:blocks],
+                           blocks * 2 * layout.num_layers * layout.block_bytes,
+                           num_tokens=seq.num_prompt)
+
+    async def _stage_in(self, seq: Sequence, blocks: list[int]) -> bool:
+        """Host staging (D): copy the landed blocks host -> device before the model reads
+        them. False (the prompt is recomputed) when the copy failed. On cancel the blocks go
+        back to the pool only once the copy into them has finished."""
+        staging = self.staging
+        if staging is None:
+            return True
+        task = asyncio.ensure_future(asyncio.to_thread(staging.to_device, blocks))
+        try:
+            await asyncio.shield(task)
+        except asyncio.CancelledError:
+            held, seq.block_ids = seq.block_ids, []
+            task.add_done_callback(lambda _t: self.free_blocks(held))
+            raise
+        except Exception:
+            log.exception("request %s: staging the KV in failed; recomputing the prompt",
+                          seq.req.request_id)
+            self.metrics.requests.labels(role="decode", status="recompute").inc()
+            return False
+        return True
 
     async def _pull_remote(self, seq: Sequence) -> None:
         remote = seq.req.remote_block_ids
         n = seq.num_prompt
-        if self.connector is None or not remote or len(remote) > self.scheduler.blocks_for(n):
+        # A connector that maps tokens takes P's blocks whatever P's block size; else they
+        # must fit ours one for one.
+        mapped = isinstance(self.connector, KVPullTokens)
+        if self.connector is None or not remote or (
+                not mapped and len(remote) > self.scheduler.blocks_for(n)):
             log.warning(
                 "request %s: cannot pull %d remote blocks for a %d-token prompt (connector %s);"
                 " recomputing the prompt", seq.req.request_id, len(remote), n,
@@ -250,8 +477,8 @@ class Engine:
             )
             self.metrics.requests.labels(role="decode", status="recompute").inc()
             return
-        local = seq.block_ids[: len(remote)]
-        task = asyncio.ensure_future(self.connector.pull(seq.req.remote, local))
+        local = seq.block_ids[: self.scheduler.blocks_for(n) if mapped else len(remote)]
+        task = asyncio.ensure_future(self._pull_and_stage(self.connector, seq, local))
         try:
             nbytes = await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -267,9 +494,23 @@ class Engine:
             self.metrics.requests.labels(role="decode", status="recompute").inc()
             return
         # The last prompt token is always recomputed: its logits give the first new token.
-        seq.num_computed = min(len(remote) * self.block_size, n - 1)
+        layout = self.kv.layout
+        received = nbytes // (2 * layout.num_layers * layout.token_bytes)
+        seq.num_computed = min(received, n - 1)
         seq.num_cached_tokens = seq.num_computed
-        self._log_transfer(seq.req.request_id, "decode", local, nbytes)
+        self._log_transfer(seq.req.request_id, "decode", local, nbytes, num_tokens=n)
+
+    async def _pull_and_stage(self, connector: KVTransfer, seq: Sequence,
+                              local: list[int]) -> int:
+        """READ the prompt's KV into `local` (through the host staging mirror, then copied
+        to the device, when staging is on); the bytes read."""
+        if isinstance(connector, KVPullTokens):
+            nbytes = await connector.pull_tokens(seq.req.remote, local, seq.num_prompt)
+        else:
+            nbytes = await connector.pull(seq.req.remote, local)
+        if self.staging is not None:
+            await asyncio.to_thread(self.staging.to_device, local)
+        return nbytes
 
     def _finish(self, seq: Sequence, final: StepOutput) -> StepOutput:
         """Scheduler hook: a prefill that ran to its length cap hands its prompt's blocks to
@@ -287,22 +528,37 @@ class Engine:
             return None
         keep = self.scheduler.blocks_for(seq.num_prompt)
         held = seq.block_ids[:keep]
+        push = mode_of(seq.req.remote) is not None and isinstance(self.connector, KVPush)
         try:
-            params = self.connector.hold_for_remote_decode(seq.req.request_id, held)
+            if self.staging is not None:  # the peer may read the host mirror from now on
+                self.staging.to_host(held)
+            if push and isinstance(self.connector, KVPush):
+                params = self.connector.push_blocks(seq.req.request_id, held, seq.num_prompt,
+                                                    seq.req.remote)
+            else:
+                params = self.connector.hold_for_remote_decode(seq.req.request_id, held)
         except Exception:
-            log.exception("request %s: hold_for_remote_decode failed", seq.req.request_id)
+            log.exception("request %s: handing the KV over failed", seq.req.request_id)
             return None
         seq.block_ids = seq.block_ids[keep:]  # what the lease took is no longer ours to free
         self._log_transfer(seq.req.request_id, "prefill", held,
-                           len(held) * 2 * self.kv.layout.num_layers * self.kv.layout.block_bytes)
+                           len(held) * 2 * self.kv.layout.num_layers * self.kv.layout.block_bytes,
+                           num_tokens=seq.num_prompt)
         return params
 
-    def _log_transfer(self, request_id: str, role: str, blocks: list[int], nbytes: int) -> None:
+    def _log_transfer(self, request_id: str, role: str, blocks: list[int], nbytes: int,
+                      num_tokens: int | None = None) -> None:
         """Record a hand-over (P) or a pull (D) for GET /debug/kv_transfers. The digest covers
-        the blocks' bytes in (layer, K|V, block) order, the same on both sides."""
+        the bytes of the blocks' first `num_tokens` token slots (all of them when None) in
+        (layer, K|V, token) order: the same on both sides, whatever their block sizes."""
         digest = None
         if self.config.kv_digests:
-            data = self.kv.buffer[:, :, blocks].contiguous().cpu()
+            data = self.kv.planes()[:, :, blocks]
+            if num_tokens is not None:
+                lay = self.kv.layout
+                data = data.reshape(lay.num_layers, 2, -1, lay.num_kv_heads, lay.head_dim)
+                data = data[:, :, :num_tokens]
+            data = data.contiguous().cpu()
             digest = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
         self.transfer_log.append({"request_id": request_id, "role": role, "blocks": len(blocks),
                                   "bytes": nbytes, "digest": digest})

@@ -1,12 +1,13 @@
 """D-side NIXL reads of remote KV blocks. Every method runs on the agent thread.
 
 Descriptor lists are prepared once: the local one at start, one per peer at handshake, both
-with one descriptor per (layer, K|V, block) in `region_list` order, so descriptor
-`(layer * 2 + kv) * num_blocks + block` is that block on either side. A read names the
-request's blocks by index and NIXL merges descriptors adjacent on both sides, so a run of
-consecutive blocks moves as one descriptor per (layer, K|V, run) (bench/kv_transfer.py
-measures 64 descriptors for a 128-block request over 32 layers, the same as per-request
-coalesced region lists, and a cheaper request build). In-flight reads are polled by `poll()`.
+per block in `region_list` order. Block-major (the default layout): one descriptor per block
+(its slab of every layer, K and V), so descriptor `block` is that block, a pool's list is
+`num_blocks` long and a run of consecutive blocks merges into ONE descriptor. Layer-major: one
+per (layer, K|V, block), descriptor `(layer * 2 + kv) * num_blocks + block`, and a run moves as
+one descriptor per (layer, K|V) (64 for Llama-3-8B; bench/kv_transfer.py). A read names the
+request's blocks by index and NIXL merges descriptors adjacent on both sides. In-flight reads
+are polled by `poll()`.
 """
 
 from __future__ import annotations
@@ -29,12 +30,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Peer:
-    """A handshaken remote engine: its agent and its prepared per-block descriptor list."""
+    """A handshaken remote engine: its agent and its prepared per-block descriptor list, plus
+    where its registered KV lives (for per-request region lists when block sizes differ)."""
 
     engine_id: str
     agent_name: str
     layout: KVLayout
     descs: PreppedList
+    base_addr: int = 0
+    mem: str = "DRAM"
+    device_id: int = 0
 
 
 @dataclass
@@ -50,7 +55,10 @@ def mem_type(value: str) -> MemType:
 
 
 def block_indices(layout: KVLayout, blocks: tuple[int, ...] | list[int]) -> npt.NDArray[np.int32]:
-    """Descriptor indices of `blocks` in every (layer, K|V), in region_list order."""
+    """Descriptor indices of `blocks` in the prepared per-block list (`per_block_regions`):
+    the block ids themselves in block-major, else every (layer, K|V) in region_list order."""
+    if layout.block_major:
+        return np.asarray(blocks, dtype=np.int32)
     per_kv = np.arange(layout.num_layers * 2, dtype=np.int64)[:, None] * layout.num_blocks
     idx = per_kv + np.asarray(blocks, dtype=np.int64)[None, :]
     return idx.ravel().astype(np.int32)
@@ -67,6 +75,7 @@ class BlockReader:
                  device_id: int) -> None:
         self._agent = agent
         self._layout = layout
+        self._base_addr, self._mem, self._device_id = base_addr, mem, device_id
         self._local = agent.prep_local(
             per_block_regions(layout, base_addr), mem_type(mem), device_id)
         self._peers: dict[str, Peer] = {}
@@ -85,7 +94,7 @@ class BlockReader:
         except NixlAgentError:
             self._agent.remove_remote(name)
             raise
-        peer = Peer(p.engine_id, name, p.layout, descs)
+        peer = Peer(p.engine_id, name, p.layout, descs, p.kv_base_addr, p.mem_type, p.device_id)
         self._peers[p.engine_id] = peer
         return peer
 
@@ -112,17 +121,21 @@ class BlockReader:
             raise KVTransferError(f"peer {peer.engine_id} was re-handshaken meanwhile")
         self._check_ids(local, self._layout.num_blocks, "local")
         self._check_ids(list(remote), peer.layout.num_blocks, "remote")
-        nbytes = len(local) * self._layout.block_bytes * self._layout.num_layers * 2
+        nbytes = len(local) * self._layout.slab_bytes
         xfer = self._agent.make_xfer(
             "READ", self._local, block_indices(self._layout, local), peer.descs,
             block_indices(peer.layout, remote), notif, nbytes)
+        return self._start(xfer, deadline, f"a read from {peer.engine_id}")
+
+    def _start(self, xfer: Xfer, deadline: float, what: str) -> Future[int]:
+        """Post `xfer` and track it until `poll()` sees it end (or it fails at once)."""
         done: Future[int] = Future()
         self._pending.append(_Pending(xfer, done, deadline))
         try:
             state = self._agent.post(xfer)
         except NixlAgentError as e:
             state = "ERR"
-            log.warning("posting a read from %s failed: %s", peer.engine_id, e)
+            log.warning("posting %s failed: %s", what, e)
         if state != "PROC":
             self._finish(self._pending.pop(), state)
         return done

@@ -27,6 +27,12 @@ class ShimMetrics:
     handshakes: Counter
     leases_expired: Counter
     leases_released: Counter
+    prefix_cache_queries: Counter
+    prefix_cache_hits: Counter
+    blocks_cached: Gauge
+    kv_events_published: Counter
+    kv_probe_gbps: Gauge
+    kv_probe_emulated: Gauge
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ShimMetrics:
@@ -64,6 +70,31 @@ class ShimMetrics:
             ),
             leases_released=Counter(
                 _P + "kv_leases_released", "Pinned blocks freed by the reader's notice",
+                registry=reg,
+            ),
+            prefix_cache_queries=Counter(
+                _P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                registry=reg,
+            ),
+            prefix_cache_hits=Counter(
+                _P + "prefix_cache_hits", "Prompt tokens served from the prefix cache",
+                registry=reg,
+            ),
+            blocks_cached=Gauge(
+                _P + "kv_blocks_cached", "KV blocks holding a cached prefix block "
+                "(referenced or evictable; evictable ones also count as free)", registry=reg,
+            ),
+            kv_events_published=Counter(
+                _P + "kv_events_published", "KV cache events published", ["type"],
+                registry=reg,
+            ),
+            kv_probe_gbps=Gauge(
+                _P + "kv_probe_gbps", "GB/s of the start-up KV transport probe (engine_shim/"
+                "transport_probe.py)", ["op"], registry=reg,
+            ),
+            kv_probe_emulated=Gauge(
+                _P + "kv_probe_emulated", "Start-up KV transport probe: 1 looked emulated "
+                "(far below the hardware's speed), 0 not (or not probed), -1 probe failed",
                 registry=reg,
             ),
         )

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine_shim.kv_cache import TORCH_DTYPES, PagedKVCache
-from engine_shim.kv_layout import KVLayout
+from engine_shim.kv_layout import LAYOUT_NAME, KVLayout
 from engine_shim.model_config import ModelConfig
 from engine_shim.weights import load_weights
 
@@ -98,9 +98,12 @@ class LlamaAttention(nn.Module):
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         # Write before gathering so the new tokens see themselves.
+        # (block, offset) indexing, not a flat view: in the block-major layout the cache is
+        # strided over blocks and cannot be flattened without a copy.
         flat_shape = (-1, self.num_kv_heads, self.head_dim)
-        k_cache.view(flat_shape).index_copy_(0, batch.slots, k.reshape(flat_shape))
-        v_cache.view(flat_shape).index_copy_(0, batch.slots, v.reshape(flat_shape))
+        where = (batch.slots // k_cache.shape[1], batch.slots % k_cache.shape[1])
+        k_cache.index_put_(where, k.reshape(flat_shape))
+        v_cache.index_put_(where, v.reshape(flat_shape))
         keys = self._gather(k_cache, batch.tables)
         values = self._gather(v_cache, batch.tables)
         out = F.scaled_dot_product_attention(
@@ -208,8 +211,10 @@ class LlamaModel(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
-    def make_kv_layout(self, num_blocks: int, block_size: int) -> KVLayout:
-        """KV geometry for this model with `num_blocks` blocks of `block_size` tokens."""
+    def make_kv_layout(self, num_blocks: int, block_size: int,
+                       layout: str = LAYOUT_NAME) -> KVLayout:
+        """KV geometry for this model with `num_blocks` blocks of `block_size` tokens, in
+        `layout` (a `kv_layout.LAYOUTS` value)."""
         return KVLayout(
             num_layers=self.config.num_hidden_layers,
             num_blocks=num_blocks,
@@ -217,6 +222,7 @@ class LlamaModel(nn.Module):
             num_kv_heads=self.config.num_key_value_heads,
             head_dim=self.config.head_dim,
             dtype=_DTYPE_NAMES[self.dtype],
+            layout=layout,
         )
 
     def forward_paged(

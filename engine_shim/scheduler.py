@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import weakref
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +28,7 @@ import torch
 from engine_shim.kv_cache import BlockPool, OutOfBlocks, PagedKVCache
 from engine_shim.metrics import ShimMetrics
 from engine_shim.model import LlamaModel
+from engine_shim.prefix_cache import block_hashes
 from engine_shim.sequence import EngineError, EngineStopped, Sequence, StepOutput
 
 log = logging.getLogger(__name__)
@@ -52,7 +54,7 @@ class Scheduler:
 
     def __init__(
         self, model: LlamaModel, kv: PagedKVCache, pool: BlockPool, metrics: ShimMetrics,
-        on_finish: FinishHook,
+        on_finish: FinishHook, after_step: Callable[[], None] | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -60,6 +62,10 @@ class Scheduler:
         self.metrics = metrics
         self.block_size = kv.layout.block_size
         self._on_finish = on_finish
+        self._after_step = after_step
+        # Sequences that may reuse cached prefix blocks (prefix_cache.py): colocated and
+        # prefill requests; never one whose blocks a remote engine writes or we pull into.
+        self._prefix_ok: weakref.WeakSet[Sequence] = weakref.WeakSet()
         self._running: list[Sequence] = []
         self._preempted: list[Sequence] = []
         self._waiting: deque[tuple[Sequence, asyncio.Future[None]]] = deque()
@@ -79,6 +85,12 @@ class Scheduler:
 
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
+
+    def use_prefix_cache(self, seq: Sequence) -> None:
+        """Let `seq` start from cached prefix blocks whenever it (re)gets blocks. Only for
+        requests whose blocks only this engine writes (not a pull or push target)."""
+        if self.pool.cache is not None:
+            self._prefix_ok.add(seq)
 
     async def start(self) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shim-model")
@@ -182,6 +194,8 @@ class Scheduler:
         self._reap_cancelled()
         work = self._schedule()
         self._admit_waiting()
+        if self._after_step is not None:
+            self._after_step()  # e.g. publish the step's KV cache events
         if not work:
             await self._wake.wait()
             return
@@ -237,6 +251,8 @@ class Scheduler:
 
     def _grow(self, seq: Sequence) -> bool:
         """Make `seq.block_ids` cover all of `seq.token_ids`; False if the pool is short."""
+        if not seq.block_ids and seq in self._prefix_ok:
+            return self._grow_from_prefix(seq)
         need = self.blocks_for(len(seq.token_ids)) - len(seq.block_ids)
         if need <= 0:
             return True
@@ -245,6 +261,35 @@ class Scheduler:
         except OutOfBlocks:
             return False
         return True
+
+    def _grow_from_prefix(self, seq: Sequence) -> bool:
+        """First blocks of a sequence: reuse the longest cached prefix, allocate the rest
+        (all or nothing). The block holding the last token is never reused: its logits
+        must be computed (and a shared block is never written)."""
+        bs, n = self.block_size, len(seq.token_ids)
+        usable = min((n - 1) // bs, seq.num_prompt // bs)
+        hit = self.pool.acquire_prefix(block_hashes(seq.req.prompt_ids[: usable * bs], bs))
+        try:
+            fresh = self.pool.allocate(self.blocks_for(n) - len(hit))
+        except OutOfBlocks:
+            if hit:
+                self.pool.free(hit)
+            return False
+        seq.block_ids = hit + fresh
+        seq.num_computed = len(hit) * bs
+        if seq.num_output == 0:  # first admission, not a recompute after preemption
+            seq.num_cached_tokens = seq.num_computed
+            self.metrics.prefix_cache_queries.inc(seq.num_prompt)
+            self.metrics.prefix_cache_hits.inc(seq.num_computed)
+        return True
+
+    def _register_prompt(self, seq: Sequence) -> None:
+        """The prompt's full blocks are computed: offer them to the prefix cache."""
+        full = seq.num_prompt // self.block_size
+        if full and len(seq.block_ids) >= full:
+            prompt = seq.req.prompt_ids
+            hashes = block_hashes(prompt[: full * self.block_size], self.block_size)
+            self.pool.register(seq.block_ids[:full], hashes, prompt)
 
     def _preempt(self, seq: Sequence) -> None:
         log.info("preempting request %s (KV pool exhausted); it will be recomputed",
@@ -280,6 +325,8 @@ class Scheduler:
             if seq.cancelled or seq not in self._running:
                 continue
             seq.num_computed = w.start + len(w.ids)
+            if self.pool.cache is not None and w.start < seq.num_prompt <= seq.num_computed:
+                self._register_prompt(seq)
             prompt_part = max(0, min(seq.num_prompt, seq.num_computed) - w.start)
             if prompt_part:
                 self.metrics.prompt_tokens.inc(prompt_part)

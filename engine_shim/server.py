@@ -2,7 +2,10 @@
 
 Routes: POST /v1/completions, POST /v1/chat/completions (JSON or SSE), GET /v1/models,
 GET /health, GET /metrics, and the internal POST /v1/kv/abort `{"request_id"}` that the router
-calls to free a prefill engine's pinned blocks when the decode leg failed.
+calls to free a prefill engine's pinned blocks (or a decode engine's reservation) when a leg
+failed. Notify/push flows (engine_shim/push.py) add POST /v1/kv/reserve `{"request_id",
+"num_tokens"}` (D sets blocks aside for P's WRITE) and GET|POST /v1/kv/info (engine id and
+side channel, so a router can point D at P).
 
 `kv_transfer_params` follow vLLM's NixlConnector: `do_remote_decode` makes this engine the
 prefill side (the reply carries the params a decode engine needs), `do_remote_prefill` makes
@@ -18,7 +21,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -33,6 +36,7 @@ from engine_shim.sequence import GenerateRequest, KVRole, StepOutput
 log = logging.getLogger(__name__)
 
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI / vLLM legacy-completions default
+_RESERVATION_ABORT_GRACE_S = 2.0  # an aborted reservation's blocks wait for a landing WRITE
 
 
 class ManagedConnector(KVTransfer, Protocol):
@@ -46,6 +50,20 @@ class ManagedConnector(KVTransfer, Protocol):
 
 
 ConnectorFactory = Callable[[Engine], ManagedConnector]
+
+
+@runtime_checkable
+class KVInfo(Protocol):
+    """A connector that can tell peers where it is (notify/push flows)."""
+
+    def kv_info(self) -> dict[str, object]: ...
+
+
+class ReserveRequest(msgspec.Struct, kw_only=True):
+    """POST /v1/kv/reserve (notify mode, router -> D): blocks for a `num_tokens` prompt."""
+
+    request_id: str
+    num_tokens: int
 
 
 def create_app(engine: Engine, *, connector_factory: ConnectorFactory | None = None) -> FastAPI:
@@ -124,7 +142,26 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
             raise ot.RequestError("this engine has no KV connector", status=404,
                                   error_type="NotFoundError")
         engine.connector.abort(body.request_id)
+        engine.reservations.release(body.request_id, grace=_RESERVATION_ABORT_GRACE_S)
         return _json({"request_id": body.request_id})
+
+    @app.post("/v1/kv/reserve")
+    async def kv_reserve(request: Request) -> Response:
+        body = ot.decode_request(await request.body(), ReserveRequest)
+        connector = engine.connector
+        if not isinstance(connector, KVInfo):
+            raise ot.RequestError("this engine cannot receive pushed KV", status=404,
+                                  error_type="NotFoundError")
+        r = await engine.reserve(body.request_id, body.num_tokens)
+        return _json({**connector.kv_info(), "reservation_id": r.reservation_id,
+                      "block_ids": list(r.block_ids), "num_tokens": r.num_tokens})
+
+    @app.api_route("/v1/kv/info", methods=["GET", "POST"])
+    async def kv_info() -> Response:
+        if not isinstance(engine.connector, KVInfo):
+            raise ot.RequestError("this engine has no KV connector", status=404,
+                                  error_type="NotFoundError")
+        return _json(engine.connector.kv_info())
 
     @app.get("/debug/kv_transfers")
     async def kv_transfers() -> Response:
@@ -186,7 +223,7 @@ def _generate_request(
         stop_token_ids=tuple(_check_token_ids(engine, req.stop_token_ids or [], "stop_token_ids")),
         ignore_eos=req.ignore_eos,
         role=role,
-        remote=req.kv_transfer_params if role is KVRole.DECODE else None,
+        remote=req.kv_transfer_params if role is not KVRole.NONE else None,
         remote_block_ids=tuple(params.remote_block_ids or []) if params else (),
     )
     return gen, req.model or names[0]

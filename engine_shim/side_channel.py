@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import msgspec
@@ -100,7 +100,7 @@ def validate_peer(
     peer: HandshakePayload, *, engine_id: str, model_name: str, layout: KVLayout
 ) -> None:
     """Raise KVHandshakeError unless `peer` is engine `engine_id` serving blocks we can copy:
-    same model and KV geometry as ours (`model_name`, `layout`)."""
+    same model and KV geometry as ours (`model_name`, `layout`; the block size may differ)."""
     if peer.engine_id != engine_id:
         raise KVHandshakeError(
             f"side channel answered as engine {peer.engine_id!r}, expected {engine_id!r}")
@@ -110,7 +110,8 @@ def validate_peer(
     why = layout.incompatibility(peer.layout)
     if why is not None:
         raise KVHandshakeError(f"KV layout incompatible with engine {engine_id!r}: {why}")
-    if peer.compat_hash != compat_hash(model_name, layout):
+    # Block sizes may differ (transfers then map token ranges): hash with the peer's.
+    if peer.compat_hash != compat_hash(model_name, peer.layout):
         raise KVHandshakeError(f"compatibility hash differs for engine {engine_id!r}")
     if peer.mem_type not in ("DRAM", "VRAM"):
         raise KVHandshakeError(f"unknown memory type {peer.mem_type!r}")
@@ -146,11 +147,15 @@ def fetch_handshake(
 
 class SideChannelServer:
     """ROUTER thread answering handshakes with one fixed payload. `port=0` binds a free port
-    (read `port` after `start`). `start` returns once bound (or raises KVConnectorError)."""
+    (read `port` after `start`). `start` returns once bound (or raises KVConnectorError).
+    `on_request(result)` is called from the server thread for every message, with result
+    "served", "malformed_frames" or "malformed_request", so junk on the port is counted."""
 
-    def __init__(self, host: str, port: int, payload: HandshakePayload) -> None:
+    def __init__(self, host: str, port: int, payload: HandshakePayload,
+                 on_request: Callable[[str], None] | None = None) -> None:
         self.host = host
         self.port = port
+        self._on_request = on_request or (lambda result: None)
         self._reply = encode_reply(payload)
         self._ready = threading.Event()
         self._stop = threading.Event()
@@ -195,13 +200,16 @@ class SideChannelServer:
                 continue
             frames = sock.recv_multipart()
             if len(frames) != 2:
+                self._on_request("malformed_frames")
                 continue  # not a DEALER request: nothing sensible to reply to
             identity, body = frames
             try:
                 req = msgspec.msgpack.decode(body, type=HandshakeRequest)
                 log.debug("handshake request from engine %r (v%d)", req.engine_id, req.v)
                 reply = self._reply
+                self._on_request("served")
             except msgspec.DecodeError:
+                self._on_request("malformed_request")
                 reply = msgspec.msgpack.encode(
                     Envelope(v=SIDE_CHANNEL_VERSION, error="malformed handshake request"))
             try:

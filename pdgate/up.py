@@ -94,9 +94,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per engine")
     p.add_argument(
-        "--pd-mode", choices=["pull"], default="pull",
-        help="P/D flow (pull: vLLM NixlConnector; decode engine READs prefill's KV)",
+        "--pd-mode", choices=["pull", "notify", "push"], default="pull",
+        help="P/D flow (pull: vLLM NixlConnector, decode engine READs prefill's KV; notify: "
+        "prefill WRITEs into blocks reserved on decode and tells the router; push: both legs "
+        "at once, decode registers its blocks with prefill)",
     )
+    p.add_argument("--notify-secret", default=None,
+                   help="shared secret signing KV-ready notices (router and engines)")
+    p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                   help="extra flag for the router, e.g. --router-arg=--kv-ready-timeout-s=5 "
+                   "(repeatable)")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
+                   help="extra flag for every engine, e.g. --engine-arg=--kv-lease-seconds=5 "
+                   "(repeatable)")
+    p.add_argument("--prefill-engine-arg", action="append", default=[], metavar="ARG",
+                   help="extra flag for prefill engines only (after --engine-arg, so it wins), "
+                   "e.g. --prefill-engine-arg=--block-size=32 (repeatable)")
+    p.add_argument("--decode-engine-arg", action="append", default=[], metavar="ARG",
+                   help="extra flag for decode engines only, e.g. "
+                   "--decode-engine-arg=--kv-buffer-device=cpu (repeatable)")
     p.add_argument("--prefill-policy", default="round-robin", help="prefill-leg policy")
     p.add_argument("--decode-policy", default="round-robin", help="decode-leg policy")
     p.add_argument(
@@ -130,7 +146,12 @@ def _engine_argv(args: argparse.Namespace, model: str, name: str, i: int) -> lis
         argv += ["--dtype", args.dtype]
     if args.kv_digests:
         argv.append("--kv-digests")
-    return argv
+    if args.notify_secret:
+        argv += ["--notify-secret", args.notify_secret]
+    extra: list[str] = args.engine_arg
+    role_extra: list[str] = (args.prefill_engine_arg if name.startswith("prefill")
+                             else args.decode_engine_arg)
+    return argv + extra + role_extra
 
 
 def _router_argv(args: argparse.Namespace, model_dir: str, engines: list[Child]) -> list[str]:
@@ -138,7 +159,11 @@ def _router_argv(args: argparse.Namespace, model_dir: str, engines: list[Child])
         sys.executable, "-m", "router", "--host", args.host, "--port", str(args.port),
         "--model", model_dir, "--served-model-name", _served_name(args),
         "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy,
+        "--pd-mode", args.pd_mode,
     ]
+    if args.notify_secret:
+        argv += ["--notify-secret", args.notify_secret]
+    argv += args.router_arg
     for child in engines:
         role = "--prefill" if child.name.startswith("prefill") else "--decode"
         argv += [role, child.url]
@@ -189,7 +214,7 @@ def _wait_ready(cluster: Cluster, child: Child, path: str, deadline: float) -> N
 
 
 def _kv_read_bytes(url: str) -> float:
-    """Sum of the engine's NIXL READ bytes counter, from its Prometheus text."""
+    """Sum of the engine's NIXL READ and WRITE bytes counters, from its Prometheus text."""
     try:
         with urllib.request.urlopen(url + "/metrics", timeout=2.0) as resp:
             text = resp.read().decode()
@@ -197,14 +222,15 @@ def _kv_read_bytes(url: str) -> float:
         return 0.0
     total = 0.0
     for line in text.splitlines():
-        if line.startswith("pdgate_shim_kv_transfer_bytes_total") and 'op="read"' in line:
+        if line.startswith("pdgate_shim_kv_transfer_bytes_total") and (
+                'op="read"' in line or 'op="write"' in line):
             total += float(line.rsplit(" ", 1)[1])
     return total
 
 
 def run_demo(args: argparse.Namespace, router_url: str, engines: list[Child]) -> bool:
     """Send one completion through the P/D path and print what happened."""
-    decoders = [c for c in engines if c.name.startswith("decode")]
+    decoders = engines  # pull: D READs; notify/push: P WRITEs
     before = sum(_kv_read_bytes(c.url) for c in decoders)
     body = {"model": _served_name(args), "prompt": DEMO_PROMPT, "max_tokens": 16,
             "temperature": 0}
@@ -218,7 +244,8 @@ def run_demo(args: argparse.Namespace, router_url: str, engines: list[Child]) ->
     print(f"\nsample request  : {DEMO_PROMPT!r}\nanswer          : {text!r}")
     print(f"prefill engine  : {headers.get('x-pdgate-prefill-engine', '?')}")
     print(f"decode engine   : {headers.get('x-pdgate-decode-engine', '?')}")
-    print(f"KV bytes moved  : {int(moved)} (NIXL READ, decode <- prefill)")
+    how = "READ" if args.pd_mode == "pull" else "WRITE"
+    print(f"KV bytes moved  : {int(moved)} (NIXL {how}, decode <- prefill, {args.pd_mode})")
     print(f"usage           : {reply.get('usage')}", flush=True)
     return moved > 0
 

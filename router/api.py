@@ -7,6 +7,8 @@ cause comes back as a 4xx with an OpenAI-style body, never a 500.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -23,8 +25,16 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from router.admission import Admission
 from router.config import RouterConfig
-from router.errors import InvalidRequest, ModelNotFound, PayloadTooLarge, RouterError, error_json
+from router.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    Overloaded,
+    PayloadTooLarge,
+    RouterError,
+    error_json,
+)
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, StreamResult
 from router.pool import EndpointPool
@@ -48,6 +58,7 @@ class RouterState:
     pool: EndpointPool
     orchestrator: Orchestrator
     started_at: int
+    admission: Admission | None = None  # None: no admission control (tests, benches)
 
 
 class StateHolder:
@@ -67,9 +78,44 @@ class StateHolder:
 
 
 def error_response(exc: RouterError, request_id: str | None = None) -> Response:
-    """The OpenAI-style JSON error response for `exc`."""
-    headers = {"X-Request-Id": request_id} if request_id else None
-    return Response(error_json(exc), exc.status, headers, "application/json")
+    """The OpenAI-style JSON error response for `exc` (429s carry `Retry-After`)."""
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    if isinstance(exc, Overloaded):
+        headers["Retry-After"] = str(exc.retry_after_s)
+    return Response(error_json(exc), exc.status, headers or None, "application/json")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready; the work was cancelled."""
+
+
+async def until_disconnected(
+    request: Request, work: Awaitable[bytes | StreamResult]
+) -> bytes | StreamResult:
+    """Await `work`, but cancel it (and so its engine legs) and raise `ClientGone` when the
+    client disconnects first. Call only after the request body was read: from then on the
+    ASGI receive channel yields nothing but the disconnect."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.cancelled() and task.done():
+        return task.result()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        result = await task  # let the legs unwind (the orchestrator frees P's blocks)
+        if isinstance(result, StreamResult):  # finished in the same instant: release it
+            await result.chunks.aclose()
+            result.close()
+    raise ClientGone
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 class RelayResponse(StreamingResponse):
@@ -81,6 +127,11 @@ class RelayResponse(StreamingResponse):
         super().__init__(result.chunks, 200, headers, "text/event-stream")
         self._result = result
         self._on_done = on_done
+        self._on_close: list[Callable[[], None]] = []
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call `callback` once the stream is over, however it ended."""
+        self._on_close.append(callback)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -91,6 +142,8 @@ class RelayResponse(StreamingResponse):
             finally:
                 self._result.close()
                 self._on_done()
+                for callback in self._on_close:
+                    callback()
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -129,6 +182,7 @@ def build_request(
         if (value := request.headers.get(name)) is not None:
             headers[name] = value
     req.engine_headers = headers
+    req.client_headers = request.headers
     return req
 
 
@@ -140,12 +194,31 @@ def _completion_handler(
         t0 = time.perf_counter()
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         try:
+            # Before the body is read: a refused request costs no body memory.
+            slot = await st.admission.acquire() if st.admission else None
+        except Overloaded as exc:
+            st.metrics.child(st.metrics.admission_rejected, exc.reason).inc()
+            _count(st, route, exc.status, t0)
+            return error_response(exc, request_id)
+        response = await serve(request, st, t0, request_id)
+        if slot is not None:
+            if isinstance(response, RelayResponse):
+                response.on_close(slot.release)
+            else:
+                slot.release()
+        return response
+
+    async def serve(request: Request, st: RouterState, t0: float, request_id: str) -> Response:
+        try:
             raw = await read_body(request, st.config.max_body_bytes)
             req = build_request(kind, raw, request, request_id, st.config.served_names)
-            result = await st.orchestrator.handle(req)
+            result = await until_disconnected(request, st.orchestrator.handle(req))
         except RouterError as exc:
             _count(st, route, exc.status, t0)
             return error_response(exc, request_id)
+        except ClientGone:
+            _count(st, route, 499, t0)  # nginx's "client closed request"; nobody reads it
+            return Response(b"", 499)
         except Exception:  # a bug: log it, answer like an engine would, keep serving
             log.exception("request %s failed", request_id)
             _count(st, route, 500, t0)

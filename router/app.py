@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -17,16 +19,26 @@ import anyio.to_thread
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from router.admin import install_admin_routes
+from router.admission import Admission
 from router.api import RouterState, StateHolder, install_error_handlers, install_routes
+from router.auth import AuthMiddleware
 from router.config import RouterConfig, validate_config
+from router.dashboard import install_dashboard
+from router.discovery import KubernetesDiscovery
 from router.engines import EngineClient
+from router.flows_setup import open_pd_flow
+from router.health import HealthSettings
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
-from router.policies import POLICIES, build_policy
+from router.policies import POLICIES
+from router.policies.setup import check_routing, open_routing
 from router.pool import Endpoint, EndpointPool
 from router.tokenization import PromptTokenizer, load_tokenizer
 
 __all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
 
 
 def create_app(
@@ -42,6 +54,7 @@ def create_app(
     `config.tokenizer_source` at startup. Raises `ConfigError` for invalid settings.
     """
     validate_config(config, frozenset(POLICIES))
+    check_routing(config)
     holder = StateHolder()
 
     @contextlib.asynccontextmanager
@@ -58,7 +71,14 @@ def create_app(
         openapi_url=None,
     )
     install_routes(app, holder)
+    install_dashboard(app, holder)
+    if config.admin_api_key:
+        install_admin_routes(app, holder)
     install_error_handlers(app)
+    if config.api_key or config.admin_api_key:
+        app.add_middleware(
+            AuthMiddleware, api_key=config.api_key, admin_api_key=config.admin_api_key
+        )
     return app
 
 
@@ -74,19 +94,49 @@ async def _serving_state(
     async with contextlib.AsyncExitStack() as stack:
         engines = EngineClient.create(config)
         stack.push_async_callback(engines.close)
-        pool = EndpointPool(config.prefill, config.decode, metrics)
+        pool = EndpointPool(config.prefill, config.decode, metrics, health=HealthSettings(
+            config.health_failure_threshold, config.health_success_threshold,
+            config.eject_consecutive_errors, config.breaker_open_s,
+        ))
 
         async def probe(ep: Endpoint) -> bool:
             return await engines.health(ep.url)
 
         await pool.check_all(probe)
+        if config.discovery == "k8s":
+            await _start_discovery(config, pool, stack)
         checker = asyncio.create_task(pool.run_health_checks(probe, config.health_interval_s))
         stack.push_async_callback(_cancel, checker)
+        routing = await open_routing(config, pool, metrics, stack)
         orchestrator = Orchestrator(
-            pool, engines, build_policy(config.prefill_policy),
-            build_policy(config.decode_policy), tokenizer, metrics,
+            pool, engines, routing.prefill, routing.decode, tokenizer, metrics,
+            decider=routing.decider, max_retries=config.max_retries,
+            retry_backoff_s=config.retry_backoff_s, kv_abort_timeout_s=config.kv_abort_timeout_s,
         )
-        yield RouterState(config, metrics, registry, pool, orchestrator, int(time.time()))
+        stack.push_async_callback(orchestrator.aclose)
+        orchestrator.pd_flow = await open_pd_flow(config, orchestrator, registry, stack)
+        yield RouterState(config, metrics, registry, pool, orchestrator, int(time.time()),
+                          _admission(config, metrics))
+
+
+def _admission(config: RouterConfig, metrics: RouterMetrics) -> Admission:
+    def gauges(active: int, queued: int) -> None:
+        metrics.admission_active.set(active)
+        metrics.admission_queued.set(queued)
+
+    return Admission(config.max_concurrent_requests, config.max_queued_requests,
+                     config.queue_timeout_s, on_change=gauges)
+
+
+async def _start_discovery(
+    config: RouterConfig, pool: EndpointPool, stack: contextlib.AsyncExitStack
+) -> None:
+    # Serve even if the API server is slow: /ready answers 503 until engines show up.
+    discovery = await KubernetesDiscovery.open(config, pool, os.environ)
+    stack.push_async_callback(discovery.close)
+    stack.push_async_callback(_cancel, asyncio.create_task(discovery.run()))
+    if not await discovery.wait_synced(config.connect_timeout_s):
+        log.warning("pod discovery has not listed the engines yet; serving anyway")
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:

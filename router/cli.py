@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -25,7 +26,15 @@ _METAVARS = {
     "model": "PATH_OR_NAME", "tokenizer": "PATH_OR_NAME", "prefill": "URL", "decode": "URL",
     "served_model_name": "NAME", "pd_mode": "MODE", "prefill_policy": "POLICY",
     "decode_policy": "POLICY", "host": "ADDR", "log_level": "LEVEL",
+    "discovery": "MODE", "namespace": "NAME", "prefill_selector": "LABELS",
+    "decode_selector": "LABELS", "prefill_port": "PORT", "decode_port": "PORT",
+    "engine_scheme": "SCHEME", "k8s_api_url": "URL",
+    "kv_events": "URL=ENDPOINT", "disagg_prefix_ratio": "RATIO",
+    "notify_bind": "ENDPOINT", "notify_advertise_host": "HOST", "notify_secret": "SECRET",
+    "api_key": "KEY", "admin_api_key": "KEY",
 }
+# Secrets may come from the environment instead of the command line (visible in `ps`).
+_SECRET_ENV = {"api_key": "PDGATE_API_KEY", "admin_api_key": "PDGATE_ADMIN_API_KEY"}
 
 # (field, type, help). Lists are repeatable flags; the default is appended to the help.
 _FLAGS: tuple[tuple[str, Any, str], ...] = (
@@ -37,9 +46,13 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("tokenizer", str, "tokenizer directory or hub name (default: --model)"),
     ("max_model_len", int, "context length in tokens (default: from the model's "
                            "config.json or the tokenizer)"),
-    ("pd_mode", str, "disaggregation flow; only 'pull' (vLLM NixlConnector) for now"),
-    ("prefill_policy", str, "how to pick a prefill engine: round-robin | least-inflight"),
-    ("decode_policy", str, "how to pick a decode engine: round-robin | least-inflight"),
+    ("pd_mode", str, "disaggregation flow: pull (vLLM NixlConnector: D READs P's KV) | "
+                     "notify (P WRITEs into D's reserved blocks, tells this router's proxy) "
+                     "| push (both legs at once; D registers its blocks with P)"),
+    ("prefill_policy", str, "how to pick a prefill engine: round-robin | least-inflight | "
+                            "power-of-two | session | prefix-aware | kv-events (params: "
+                            "YAML {type, name, params})"),
+    ("decode_policy", str, "how to pick a decode engine (same choices as --prefill-policy)"),
     ("host", str, "address to listen on"),
     ("port", int, "port to listen on"),
     ("connect_timeout_s", float, "seconds to open a TCP connection to an engine"),
@@ -53,6 +66,55 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("max_body_bytes", int, "largest accepted request body in bytes (larger: 413)"),
     ("shutdown_timeout_s", float, "seconds to let in-flight requests finish on shutdown"),
     ("log_level", str, "critical | error | warning | info | debug"),
+    ("prefix_block_size", int, "engines' KV block size in tokens, used to hash prompt "
+                               "prefixes for prefix-aware routing"),
+    ("prefix_index_max_blocks", int, "bound of each prefix index in (engine, block) "
+                                     "entries; least recently used dropped first"),
+    ("kv_events", list, "an engine's KV-events publisher (vLLM --kv-events-config), "
+                        "ENGINE_URL=tcp://host:port (repeatable)"),
+    ("disagg_min_tokens", int, "prompts shorter than this run on a decode engine alone "
+                               "(0: always disaggregate)"),
+    ("disagg_prefix_ratio", float, "run on a decode engine alone when one already holds at "
+                                   "least this fraction (0..1] of the prompt (default: off)"),
+    ("discovery", str, "where engines come from: static (--prefill/--decode) | k8s (watch "
+                       "pods by label; --prefill/--decode may add fixed ones)"),
+    ("namespace", str, "k8s: namespace to watch (default: the router pod's own)"),
+    ("prefill_selector", str, "k8s: label selector of prefill pods, e.g. "
+                              "app=pdgate,pdgate.io/role=prefill"),
+    ("decode_selector", str, "k8s: label selector of decode pods"),
+    ("prefill_port", int, "k8s: HTTP port of discovered prefill engines"),
+    ("decode_port", int, "k8s: HTTP port of discovered decode engines"),
+    ("engine_scheme", str, "k8s: URL scheme of discovered engines: http | https"),
+    ("k8s_api_url", str, "k8s: API server URL (default: in-cluster, from the service "
+                         "account; an http:// URL sends no token)"),
+    ("notify_bind", str, "notify mode: zmq endpoint of this router's KV-ready proxy (port 0: "
+                         "a free port)"),
+    ("notify_advertise_host", str, "notify mode: host engines connect to for KV-ready "
+                                   "notices (default: the bound host)"),
+    ("notify_secret", str, "notify mode: shared secret (>= 16 chars) engines sign KV-ready "
+                           "notices with (engines: --notify-secret)"),
+    ("kv_ready_timeout_s", float, "notify mode: seconds a request waits for its KV-ready "
+                                  "notice before failing with 504"),
+    ("max_concurrent_requests", int, "requests served at once; more wait in the queue"),
+    ("max_queued_requests", int, "requests waiting for a slot; beyond that: 429 with "
+                                 "Retry-After (0: no queue)"),
+    ("queue_timeout_s", float, "seconds a queued request waits for a slot before its 429"),
+    ("api_key", str, "Bearer key required on /v1/* (default: open; or env PDGATE_API_KEY). "
+                     "/health, /ready and /metrics stay open"),
+    ("admin_api_key", str, "Bearer key of the /admin API; without it the admin API is off "
+                           "(or env PDGATE_ADMIN_API_KEY)"),
+    ("health_failure_threshold", int, "failed health checks in a row that mark an engine "
+                                      "unhealthy"),
+    ("health_success_threshold", int, "passing health checks in a row that mark it healthy "
+                                      "again"),
+    ("eject_consecutive_errors", int, "failed requests in a row that open an engine's "
+                                      "circuit breaker (ejected from routing)"),
+    ("breaker_open_s", float, "seconds an open breaker keeps an engine out before one trial "
+                              "request (half-open)"),
+    ("max_retries", int, "extra attempts per leg on other engines, before the first byte"),
+    ("retry_backoff_s", float, "base of the exponential, jittered pause between attempts"),
+    ("kv_abort_timeout_s", float, "deadline of the best-effort request asking a prefill "
+                                  "engine to free a failed request's KV blocks"),
 )
 
 
@@ -69,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     for field, typ, text in _FLAGS:
         flag = "--" + field.replace("_", "-")
         default = _DEFAULTS.get(field, msgspec.NODEFAULT)
-        if default not in (msgspec.NODEFAULT, None, []):
+        if default not in (msgspec.NODEFAULT, None, [], ""):
             text = f"{text} (default: {default})"
         metavar = _METAVARS.get(field, "N" if typ is int else "SECONDS")
         if typ is list:
@@ -83,6 +145,9 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
     """Parse `argv` into a `RouterConfig` (YAML file, then flags). Raises `ConfigError`."""
     args = vars(build_parser().parse_args(argv))
     yaml_path = args.pop("config", None)
+    for field, env in _SECRET_ENV.items():
+        if field not in args and os.environ.get(env):
+            args[field] = os.environ[env]
     return load_config(yaml_path, args)
 
 

@@ -10,16 +10,33 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
-__all__ = ["ConfigError", "RouterConfig", "load_config", "validate_config"]
+__all__ = [
+    "ConfigError",
+    "PolicySpec",
+    "RouterConfig",
+    "engine_url_problem",
+    "load_config",
+    "validate_config",
+]
 
 MIB = 1024 * 1024
 
 
 class ConfigError(ValueError):
     """A setting is missing, unknown or out of range; the message names the field."""
+
+
+class PolicySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A routing policy as configured: its registered `type`, an optional display `name`,
+    and `params` that the policy itself decodes (see `router.policies`)."""
+
+    type: str
+    name: str | None = None
+    params: dict[str, Any] = {}
 
 
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -36,9 +53,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     served_model_name: list[str] = []
     tokenizer: str | None = None
     max_model_len: int | None = None
-    pd_mode: Literal["pull"] = "pull"
-    prefill_policy: str = "round-robin"
-    decode_policy: str = "least-inflight"
+    pd_mode: Literal["pull", "notify", "push"] = "pull"
+    prefill_policy: str | PolicySpec = "round-robin"
+    decode_policy: str | PolicySpec = "least-inflight"
     host: str = "127.0.0.1"
     port: int = 8000
     connect_timeout_s: float = 5.0
@@ -52,6 +69,49 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_body_bytes: int = 4 * MIB
     shutdown_timeout_s: float = 10.0
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    # Engine discovery: `static` uses only `prefill`/`decode`; `k8s` also watches pods
+    # matching the selectors (label selector syntax) and routes to the ready ones.
+    discovery: Literal["static", "k8s"] = "static"
+    namespace: str | None = None
+    prefill_selector: str = ""
+    decode_selector: str = ""
+    prefill_port: int = 8000
+    decode_port: int = 8000
+    engine_scheme: Literal["http", "https"] = "http"
+    k8s_api_url: str | None = None
+    # Routing (issue 4): engines' KV block size (prefix hashing), the prefix index bound,
+    # engines' KV-events endpoints (`ENGINE_URL=tcp://host:port`), selective disaggregation.
+    prefix_block_size: int = 16
+    prefix_index_max_blocks: int = 1_000_000
+    kv_events: list[str] = []
+    disagg_min_tokens: int = 0
+    disagg_prefix_ratio: float | None = None
+    # KV-ready proxy (notify mode, issue 3): the zmq PULL endpoint this router binds (port 0:
+    # any free port), the host engines should connect to when it binds a wildcard, the HMAC
+    # secret engines sign with, and how long a request waits for its KV.
+    notify_bind: str = "tcp://127.0.0.1:0"
+    notify_advertise_host: str | None = None
+    notify_secret: str | None = None
+    kv_ready_timeout_s: float = 30.0
+    # Resilience (issue 5). Admission: requests served at once, requests waiting for a slot
+    # (beyond both: 429), and how long one may wait. Secrets: Bearer keys for the OpenAI
+    # routes and for /admin (admin routes exist only when `admin_api_key` is set).
+    max_concurrent_requests: int = 1024
+    max_queued_requests: int = 1024
+    queue_timeout_s: float = 30.0
+    api_key: str | None = None
+    admin_api_key: str | None = None
+    # Health: probe verdicts need this many failures / successes in a row; this many errors
+    # in a row on real requests open an engine's circuit breaker for `breaker_open_s`.
+    health_failure_threshold: int = 2
+    health_success_threshold: int = 1
+    eject_consecutive_errors: int = 3
+    breaker_open_s: float = 10.0
+    # Failover: extra attempts per leg on other engines, base of the jittered backoff
+    # between attempts, and the deadline of the best-effort KV abort sent to P.
+    max_retries: int = 1
+    retry_backoff_s: float = 0.02
+    kv_abort_timeout_s: float = 2.0
 
     @property
     def served_names(self) -> list[str]:
@@ -73,6 +133,16 @@ _POSITIVE = (
     "health_timeout_s",
     "max_connections",
     "max_body_bytes",
+    "prefix_block_size",
+    "prefix_index_max_blocks",
+    "kv_ready_timeout_s",
+    "max_concurrent_requests",
+    "queue_timeout_s",
+    "health_failure_threshold",
+    "health_success_threshold",
+    "eject_consecutive_errors",
+    "breaker_open_s",
+    "kv_abort_timeout_s",
 )
 
 
@@ -82,16 +152,19 @@ def validate_config(config: RouterConfig, policy_names: frozenset[str]) -> Route
     `policy_names` is the set of registered policy types (passed in so this module does not
     import the policies). Raises `ConfigError` naming the offending field.
     """
-    if not config.prefill:
-        raise ConfigError("prefill: at least one prefill engine URL is required")
-    if not config.decode:
-        raise ConfigError("decode: at least one decode engine URL is required")
+    _validate_discovery(config)
+    _validate_routing(config)
+    _validate_notify(config)
+    _validate_resilience(config)
     for field in ("prefill", "decode"):
         for url in getattr(config, field):
             if not url.startswith(("http://", "https://")):
                 raise ConfigError(f"{field}: {url!r} is not an http(s):// URL")
+            if (problem := engine_url_problem(url)) is not None:
+                raise ConfigError(f"{field}: {problem}")
     for field in ("prefill_policy", "decode_policy"):
-        name = getattr(config, field)
+        spec = getattr(config, field)
+        name = spec if isinstance(spec, str) else spec.type
         if name not in policy_names:
             known = ", ".join(sorted(policy_names))
             raise ConfigError(f"{field}: unknown policy {name!r} (known: {known})")
@@ -100,9 +173,82 @@ def validate_config(config: RouterConfig, policy_names: frozenset[str]) -> Route
             raise ConfigError(f"{field}: must be > 0")
     if config.max_model_len is not None and config.max_model_len <= 0:
         raise ConfigError("max_model_len: must be > 0")
-    if not 0 <= config.port <= 65535:
-        raise ConfigError("port: must be in 0..65535")
+    for field in ("port", "prefill_port", "decode_port"):
+        if not 0 <= getattr(config, field) <= 65535:
+            raise ConfigError(f"{field}: must be in 0..65535")
     return config
+
+
+def engine_url_problem(url: str) -> str | None:
+    """Why `url` is not a usable engine base URL, or None when it is: http(s) only, a host,
+    a valid port, no credentials (they would reach logs and metric labels), no path, query
+    or fragment. Used for static URLs here and by the admin API."""
+    try:
+        parts = urlsplit(url.strip())
+        parts.port  # noqa: B018 -- raises ValueError when out of range or not a number
+    except ValueError:
+        return "invalid engine URL (bad port?)"
+    if parts.scheme not in ("http", "https"):
+        return "engine URL must start with http:// or https://"
+    if not parts.hostname:
+        return "engine URL needs a host"
+    if parts.username is not None or parts.password is not None:
+        return "engine URL must not carry credentials"
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        return "engine URL is a base URL: no path, query or fragment"
+    return None
+
+
+def _validate_resilience(config: RouterConfig) -> None:
+    for field in ("max_queued_requests", "max_retries"):
+        if getattr(config, field) < 0:
+            raise ConfigError(f"{field}: must be >= 0")
+    if config.retry_backoff_s < 0:
+        raise ConfigError("retry_backoff_s: must be >= 0")
+    for field in ("api_key", "admin_api_key"):
+        key = getattr(config, field)
+        if key is not None and len(key) < 8:
+            raise ConfigError(f"{field}: use at least 8 characters")
+
+
+def _validate_notify(config: RouterConfig) -> None:
+    if "://" not in config.notify_bind:
+        raise ConfigError(f"notify_bind: {config.notify_bind!r} is not a zmq endpoint "
+                          "(e.g. tcp://0.0.0.0:7500)")
+    if config.notify_secret is not None and len(config.notify_secret) < 16:
+        raise ConfigError("notify_secret: use at least 16 characters")
+
+
+def _validate_routing(config: RouterConfig) -> None:
+    if config.disagg_min_tokens < 0:
+        raise ConfigError("disagg_min_tokens: must be >= 0")
+    ratio = config.disagg_prefix_ratio
+    if ratio is not None and not 0 < ratio <= 1:
+        raise ConfigError("disagg_prefix_ratio: must be in (0, 1]")
+    for entry in config.kv_events:
+        url, sep, endpoint = entry.rpartition("=")
+        if not sep or not url.startswith(("http://", "https://")) or "://" not in endpoint:
+            raise ConfigError(
+                f"kv_events: {entry!r} is not ENGINE_URL=ENDPOINT "
+                "(e.g. http://10.0.0.1:8100=tcp://10.0.0.1:5557)"
+            )
+
+
+def _validate_discovery(config: RouterConfig) -> None:
+    if config.discovery == "k8s":
+        # Static URLs may be given too (e.g. an engine outside the cluster).
+        for field in ("prefill_selector", "decode_selector"):
+            if not getattr(config, field).strip():
+                raise ConfigError(f"{field}: a label selector is required with discovery k8s")
+        if config.k8s_api_url is not None and not config.k8s_api_url.startswith(
+            ("http://", "https://")
+        ):
+            raise ConfigError(f"k8s_api_url: {config.k8s_api_url!r} is not an http(s):// URL")
+        return
+    if not config.prefill:
+        raise ConfigError("prefill: at least one prefill engine URL is required")
+    if not config.decode:
+        raise ConfigError("decode: at least one decode engine URL is required")
 
 
 def load_config(

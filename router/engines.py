@@ -48,6 +48,7 @@ __all__ = [
 
 _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
+_SSE_ERROR = b'data: {"error"'
 
 # What the router asks of P in pull mode (vLLM NixlConnector, design.md §2). Built fresh per
 # request by `prefill_body` so no request can mutate a shared dict.
@@ -135,8 +136,10 @@ def _engine_message(raw: bytes) -> str:
 
 
 def _check_status(url: str, status: int, raw: bytes) -> None:
-    if status < 400:
+    if status < 300:
         return
+    if status < 400:  # redirects are never followed: an engine URL is used as configured
+        raise EngineError(f"engine {url} answered HTTP {status} (redirects are not followed)")
     message = _engine_message(raw)
     if status >= 500:
         raise EngineError(f"engine {url} returned HTTP {status}: {message}")
@@ -173,11 +176,34 @@ class EngineStream:
         self._resp = resp
         self._idle = idle_timeout_s
         self._done = False
+        self._first = b""  # read by `check_start`, handed out first by `chunks`
+
+    async def check_start(self, timeout_s: float) -> None:
+        """Read the first chunk (within `timeout_s`) and raise `EngineError` if it is an SSE
+        error event. vLLM answers a stream it cannot even start (e.g. a decode engine given
+        KV params it cannot use) with HTTP 200 and one error event; checking here keeps that
+        failure retryable and lets the client get a 502 instead of a 200 with an error
+        inside. On any exception the stream is closed."""
+        try:
+            with _translate(self._url, "decode first byte"):
+                async with asyncio.timeout(timeout_s):
+                    self._first = await self._resp.content.readany()
+            if self._first.startswith(_SSE_ERROR):
+                event = self._first[len(b"data: "):].split(b"\n", 1)[0]
+                raise EngineError(f"engine {self._url} failed the stream: "
+                                  f"{_engine_message(event)}")
+        except BaseException:
+            self.close()
+            raise
+        self._done = not self._first
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Body bytes as received; each wait is bounded by the idle timeout."""
+        if self._first:
+            first, self._first = self._first, b""
+            yield first
         content = self._resp.content
-        while True:
+        while not self._done:
             with _translate(self._url, "stream idle"):
                 async with asyncio.timeout(self._idle):
                     chunk = await content.readany()
@@ -220,6 +246,11 @@ class EngineClient:
         )
         self._health_timeout = aiohttp.ClientTimeout(total=config.health_timeout_s)
 
+    @property
+    def first_byte_timeout_s(self) -> float:
+        """Seconds a decode engine may take to send its first byte (see `check_start`)."""
+        return self._cfg.decode_first_byte_timeout_s
+
     @classmethod
     def create(cls, config: RouterConfig) -> EngineClient:
         """Build the pooled session; must run on the event loop that will use it."""
@@ -246,7 +277,8 @@ class EngineClient:
         """POST a non-streaming prefill request; return the decoded JSON object."""
         with _translate(url, "prefill"):
             async with self._session.post(
-                url + path, data=body, headers=headers, timeout=self._prefill_timeout
+                url + path, data=body, headers=headers, timeout=self._prefill_timeout,
+                allow_redirects=False,
             ) as resp:
                 raw = await resp.read()
                 status = resp.status
@@ -265,7 +297,8 @@ class EngineClient:
         """POST a non-streaming decode request; return the 2xx body bytes."""
         with _translate(url, "decode"):
             async with self._session.post(
-                url + path, data=body, headers=headers, timeout=self._decode_timeout
+                url + path, data=body, headers=headers, timeout=self._decode_timeout,
+                allow_redirects=False,
             ) as resp:
                 raw = await resp.read()
                 status = resp.status
@@ -282,9 +315,10 @@ class EngineClient:
         with _translate(url, "decode first byte"):
             async with asyncio.timeout(self._cfg.decode_first_byte_timeout_s):
                 resp = await self._session.post(
-                    url + path, data=body, headers=headers, timeout=self._stream_timeout
+                    url + path, data=body, headers=headers, timeout=self._stream_timeout,
+                    allow_redirects=False,
                 )
-            if resp.status >= 400:
+            if resp.status >= 300:
                 try:
                     async with asyncio.timeout(self._cfg.decode_idle_timeout_s):
                         raw = await resp.read()
@@ -293,10 +327,31 @@ class EngineClient:
                 _check_status(url, resp.status, raw)
         return EngineStream(url, resp, self._cfg.decode_idle_timeout_s)
 
+    async def abort_kv(self, url: str, request_id: str, timeout_s: float) -> str:
+        """Best effort: ask prefill engine `url` to free the KV blocks it pinned for
+        `request_id` (`POST /v1/kv/abort`, served by engine_shim). Never raises; returns
+        "ok", "unsupported" (404/405: e.g. vLLM has no such route) or "failed"."""
+        body = _json_encode({"request_id": request_id})
+        try:
+            async with self._session.post(
+                url + "/v1/kv/abort", data=body, allow_redirects=False,
+                headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as r:
+                await r.read()
+                status = r.status
+        except (aiohttp.ClientError, TimeoutError):
+            return "failed"
+        if 200 <= status < 300:
+            return "ok"
+        return "unsupported" if status in (404, 405) else "failed"
+
     async def health(self, url: str) -> bool:
         """True when `GET {url}/health` answers 2xx within the health timeout."""
         try:
-            async with self._session.get(url + "/health", timeout=self._health_timeout) as r:
+            async with self._session.get(
+                url + "/health", timeout=self._health_timeout, allow_redirects=False
+            ) as r:
                 await r.read()
                 return 200 <= r.status < 300
         except (aiohttp.ClientError, TimeoutError):

@@ -9,6 +9,8 @@ code only ever sees this tree::
     │   └── ContextLengthExceeded    400 ... code context_length_exceeded
     ├── ModelNotFound                404 NotFoundError / model_not_found
     ├── PayloadTooLarge              413 BadRequestError / payload_too_large
+    ├── Unauthorized                 401 AuthenticationError / invalid_api_key
+    ├── Overloaded                   429 RateLimitError / overloaded  (+ Retry-After)
     ├── NoEndpointAvailable          503 ServiceUnavailableError / no_endpoint_available
     ├── EngineUnavailable            502 BadGatewayError / engine_unavailable  (connect, reset)
     ├── EngineTimeout                504 GatewayTimeoutError / engine_timeout
@@ -35,8 +37,10 @@ __all__ = [
     "InvalidRequest",
     "ModelNotFound",
     "NoEndpointAvailable",
+    "Overloaded",
     "PayloadTooLarge",
     "RouterError",
+    "Unauthorized",
     "error_body",
     "error_json",
 ]
@@ -84,6 +88,29 @@ class PayloadTooLarge(RouterError):
     status = 413
     type = "BadRequestError"
     code = "payload_too_large"
+
+
+class Unauthorized(RouterError):
+    """The request lacks the right Bearer key (401)."""
+
+    status = 401
+    type = "AuthenticationError"
+    code = "invalid_api_key"
+
+
+class Overloaded(RouterError):
+    """Admission control refused the request: too many in flight and the queue is full, or
+    it waited past the queue timeout (429). `retry_after_s` goes in the Retry-After header."""
+
+    status = 429
+    type = "RateLimitError"
+    code = "overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: int = 1,
+                 reason: str = "queue_full") -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.reason = reason  # queue_full | queue_timeout (the rejection metric's label)
 
 
 class NoEndpointAvailable(RouterError):

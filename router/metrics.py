@@ -37,6 +37,17 @@ class RouterMetrics:
     disagg_decisions: Counter  # reason
     engine_healthy: Gauge  # engine, role (1 healthy, 0 not)
     engine_in_flight: Gauge  # engine, role
+    policy_duration: Histogram  # role: one endpoint selection (all policy stages)
+    prefix_lookup_blocks: Counter  # role: full prompt blocks routed
+    prefix_hit_blocks: Counter  # role: of those, blocks the chosen engine was known to hold
+    prefix_index_entries: Gauge  # index (approx | kv_events): (engine, block) entries
+    kv_event_batches: Counter  # engine: KV-event batches received
+    kv_event_gaps: Counter  # engine: sequence gaps (lost KV-event messages)
+    admission_active: Gauge  # requests holding an admission slot
+    admission_queued: Gauge  # requests waiting for a slot
+    admission_rejected: Counter  # reason (queue_full | queue_timeout)
+    kv_aborts: Counter  # result (ok | unsupported | failed): P asked to free a request's KV
+    breaker_opened: Counter  # role: circuit breakers opened (engines ejected)
     _children: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict, repr=False)
 
     def child(self, metric: M, *labels: str) -> M:
@@ -92,5 +103,49 @@ class RouterMetrics:
             engine_in_flight=Gauge(
                 "pdgate_engine_in_flight", "Requests in flight per engine", ["engine", "role"],
                 registry=r,
+            ),
+            policy_duration=Histogram(
+                "pdgate_policy_duration_seconds", "Time to select one engine", ["role"],
+                buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2),
+                registry=r,
+            ),
+            prefix_lookup_blocks=Counter(
+                "pdgate_prefix_lookup_blocks", "Full prompt blocks routed", ["role"],
+                registry=r,
+            ),
+            prefix_hit_blocks=Counter(
+                "pdgate_prefix_hit_blocks",
+                "Routed prompt blocks the chosen engine was known to hold", ["role"],
+                registry=r,
+            ),
+            prefix_index_entries=Gauge(
+                "pdgate_prefix_index_entries", "(engine, block) entries in a prefix index",
+                ["index"], registry=r,
+            ),
+            kv_event_batches=Counter(
+                "pdgate_kv_event_batches", "KV-event batches received", ["engine"],
+                registry=r,
+            ),
+            kv_event_gaps=Counter(
+                "pdgate_kv_event_gaps", "Gaps in KV-event sequence numbers", ["engine"],
+                registry=r,
+            ),
+            admission_active=Gauge(
+                "pdgate_admission_active", "Requests holding an admission slot", registry=r,
+            ),
+            admission_queued=Gauge(
+                "pdgate_admission_queued", "Requests waiting for an admission slot", registry=r,
+            ),
+            admission_rejected=Counter(
+                "pdgate_admission_rejected", "Requests refused with 429", ["reason"],
+                registry=r,
+            ),
+            kv_aborts=Counter(
+                "pdgate_kv_aborts", "Requests to a prefill engine to free a request's KV",
+                ["result"], registry=r,
+            ),
+            breaker_opened=Counter(
+                "pdgate_breaker_opened", "Engine circuit breakers opened (engine ejected)",
+                ["role"], registry=r,
             ),
         )

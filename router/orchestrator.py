@@ -11,15 +11,17 @@ After the first byte, a failure ends the SSE stream with an error event and `[DO
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
+from router.decider import Decider, Decision, PrefixDecider, decide
 from router.engines import (
     EngineClient,
     EngineStream,
@@ -32,13 +34,16 @@ from router.engines import (
 )
 from router.errors import (
     ContextLengthExceeded,
+    EngineRejected,
+    EngineTimeout,
     EngineUnavailable,
     NoEndpointAvailable,
     RouterError,
     error_json,
 )
+from router.health import backoff_s
 from router.metrics import RouterMetrics
-from router.policies import PickContext, Policy, choose
+from router.policies import PickContext, Selector, choose
 from router.pool import Endpoint, EndpointPool, Role
 from router.schema import ChatParams, ClientRequest
 from router.sse import UsageRewriter
@@ -55,35 +60,19 @@ _DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
-    """Whether to disaggregate, and why (the `reason` label of the decisions metric)."""
-
-    disagg: bool
-    reason: str
-
-
-def decide(req: ClientRequest) -> Decision:
-    """Disaggregate single-prompt, single-choice requests only.
-
-    `n > 1` and batch (list) prompts go straight to a decode engine, which computes the
-    prompt itself: one set of P blocks must never be shared by several decode children
-    (each child would pin or free the same blocks), and splitting them into per-prompt
-    P/D pairs would change how the engine batches and orders choices. Not
-    disaggregating is the safe choice; every decision is counted by reason.
-    """
-    if req.n > 1:
-        return Decision(False, "n_gt_1")
-    if req.batch:
-        return Decision(False, "batch_prompt")
-    return Decision(True, "disagg")
-
-
-@dataclass(frozen=True, slots=True)
 class PrefillOutcome:
     """What the prefill leg produced: P's opaque KV params (None → fallback) and usage."""
 
     kv_params: Any | None
     usage: PrefillUsage | None
+
+
+class PDFlow(Protocol):
+    """A `--pd-mode` flow other than pull (router/flows_notify.py, flows_push.py)."""
+
+    async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult | None:
+        """Serve a disaggregated request; None: run the pull flow instead."""
+        ...
 
 
 @dataclass(slots=True)
@@ -102,28 +91,82 @@ class Orchestrator:
         self,
         pool: EndpointPool,
         engines: EngineClient,
-        prefill_policy: Policy,
-        decode_policy: Policy,
+        prefill_policy: Selector,
+        decode_policy: Selector,
         tokenizer: PromptTokenizer,
         metrics: RouterMetrics,
+        decider: Decider | None = None,
+        *,
+        max_retries: int = 1,
+        retry_backoff_s: float = 0.02,
+        kv_abort_timeout_s: float = 2.0,
     ) -> None:
         self.pool = pool
         self.engines = engines
-        self.policies: dict[Role, Policy] = {"prefill": prefill_policy, "decode": decode_policy}
+        self.policies: dict[Role, Selector] = {"prefill": prefill_policy, "decode": decode_policy}
         self.tokenizer = tokenizer
         self.metrics = metrics
+        self.decider: Decider = decider or PrefixDecider()
+        self.pd_flow: PDFlow | None = None  # notify/push mode, set by the app's lifespan
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
+        self.kv_abort_timeout_s = kv_abort_timeout_s
+        self._background: set[asyncio.Task[None]] = set()  # best-effort KV aborts
 
     async def handle(self, req: ClientRequest) -> bytes | StreamResult:
         """Run `req`: JSON body bytes for a non-streaming answer, else a `StreamResult`."""
         await self.tokenize(req)
-        decision = decide(req)
+        decision = self.decider.decide(req)
         self.metrics.child(self.metrics.disagg_decisions, decision.reason).inc()
         t0 = time.perf_counter()
-        prefill = await self.run_prefill(req) if decision.disagg else None
-        mode = "disagg" if decision.disagg else "direct"
-        if req.stream:
-            return await self.open_decode(req, prefill, t0, mode)
-        return await self.run_decode(req, prefill, t0, mode)
+        if decision.disagg and self.pd_flow is not None:
+            result = await self.pd_flow.run(req, t0)
+            if result is not None:
+                return result
+        prefill = await self.prefill_or_fallback(req) if decision.disagg else None
+        mode = "disagg" if prefill is not None else "direct"
+        try:
+            if req.stream:
+                return await self.open_decode(req, prefill, t0, mode)
+            return await self.run_decode(req, prefill, t0, mode)
+        except BaseException:
+            # No decode leg will read P's blocks now (failed, cancelled, client gone).
+            self.abort_prefill(req, prefill)
+            raise
+
+    async def prefill_or_fallback(self, req: ClientRequest) -> PrefillOutcome | None:
+        """`run_prefill`, or None (decode-only, counted) when no prefill engine is healthy:
+        a P/D router must keep serving on its decode engines when every P is down."""
+        try:
+            return await self.run_prefill(req)
+        except (NoEndpointAvailable, EngineUnavailable) as exc:
+            if self.pool.healthy("prefill"):
+                raise
+            self.metrics.fallbacks.labels("no_prefill").inc()
+            log.warning("request %s: no healthy prefill engine (%s); decode engine computes "
+                        "the prompt", req.request_id, exc.message)
+            return None
+
+    def abort_prefill(self, req: ClientRequest, prefill: PrefillOutcome | None) -> None:
+        """Tell the P that served `req` to free the blocks it pinned for it (best effort,
+        in the background). No-op when P pinned nothing."""
+        url = req.served_by.get("prefill")
+        if prefill is not None and prefill.kv_params is not None and url is not None:
+            self._abort_kv(url, req.request_id)
+
+    def _abort_kv(self, url: str, request_id: str) -> None:
+        async def run() -> None:
+            result = await self.engines.abort_kv(url, request_id, self.kv_abort_timeout_s)
+            self.metrics.child(self.metrics.kv_aborts, result).inc()
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def aclose(self) -> None:
+        """Wait for pending KV aborts (each bounded by `kv_abort_timeout_s`)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
 
     async def tokenize(self, req: ClientRequest) -> None:
         """Fill `req.prompt_token_ids` (single prompts) and enforce the context length."""
@@ -151,7 +194,14 @@ class Orchestrator:
 
         async def call(ep: Endpoint) -> dict[str, Any]:
             with self.pool.track(ep):
-                return await self.engines.post_json(ep.url, req.path, body, req.engine_headers)
+                try:
+                    return await self.engines.post_json(
+                        ep.url, req.path, body, req.engine_headers
+                    )
+                except (asyncio.CancelledError, EngineTimeout):
+                    # P may still finish this prefill and pin blocks nobody will read.
+                    self._abort_kv(ep.url, req.request_id)
+                    raise
 
         reply = await self._with_retry("prefill", req, call)
         self.metrics.prefill_duration.observe(time.perf_counter() - t0)
@@ -166,15 +216,16 @@ class Orchestrator:
         self, req: ClientRequest, prefill: PrefillOutcome | None, t0: float, mode: str
     ) -> bytes:
         """Non-streaming D leg; returns the body for the client with billing fixed."""
-        body = decode_body(req.body, prefill.kv_params if prefill else None)
+        bodies = _DecodeBodies(self, req, prefill)
 
         async def call(ep: Endpoint) -> bytes:
-            with self.pool.track(ep):
+            with self.pool.track(ep), bodies.attempt() as body:
                 return await self.engines.post_raw(ep.url, req.path, body, req.engine_headers)
 
         raw = await self._with_retry("decode", req, call)
+        bodies.settle(prefill)
         self.metrics.child(self.metrics.ttft, mode).observe(time.perf_counter() - t0)
-        usage_from_p = _usage_to_apply(prefill)
+        usage_from_p = _usage_to_apply(bodies.prefill)
         if usage_from_p is None:
             return raw
         return _rewrite_reply_usage(raw, usage_from_p)
@@ -183,15 +234,18 @@ class Orchestrator:
         self, req: ClientRequest, prefill: PrefillOutcome | None, t0: float, mode: str
     ) -> StreamResult:
         """Streaming D leg: open the stream (retrying before any byte), then relay it."""
-        body = decode_body(req.body, prefill.kv_params if prefill else None)
+        bodies = _DecodeBodies(self, req, prefill)
 
         async def call(ep: Endpoint) -> tuple[EngineStream, contextlib.ExitStack]:
             stack = contextlib.ExitStack()
             stack.enter_context(self.pool.track(ep))
             try:
-                stream = await self.engines.open_stream(
-                    ep.url, req.path, body, req.engine_headers
-                )
+                with bodies.attempt() as body:
+                    stream = await self.engines.open_stream(
+                        ep.url, req.path, body, req.engine_headers
+                    )
+                    # vLLM reports a decode it cannot start as 200 + an SSE error event.
+                    await stream.check_start(self.engines.first_byte_timeout_s)
             except BaseException:
                 stack.close()
                 raise
@@ -199,7 +253,8 @@ class Orchestrator:
             return stream, stack
 
         stream, stack = await self._with_retry("decode", req, call)
-        usage = _usage_to_apply(prefill) if req.wants_usage_chunks else None
+        bodies.settle(prefill)
+        usage = _usage_to_apply(bodies.prefill) if req.wants_usage_chunks else None
         chunks = self.relay_decode(stream, usage, t0, mode)
         return StreamResult(chunks, stack.close)
 
@@ -230,30 +285,87 @@ class Orchestrator:
     async def _with_retry(
         self, role: Role, req: ClientRequest, call: Callable[[Endpoint], Awaitable[T]]
     ) -> T:
-        """Run `call` on a `role` engine; on a retryable failure, once more on another."""
-        ctx = PickContext(req.request_id, req.prompt_token_ids)
+        """Run `call` on a `role` engine; after a failure that blames the engine, try other
+        engines (up to `max_retries` more, jittered exponential backoff between attempts).
+        Only called before any byte went to the client. Feeds each engine's breaker."""
+        ctx = PickContext.of(req)
         policy = self.policies[role]
-        ep = await choose(self.pool, role, policy, ctx)
-        try:
-            result = await call(ep)
+        tried: list[Endpoint] = []
+        error: RouterError | None = None
+        for attempt in range(self.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(backoff_s(attempt, self.retry_backoff_s))
+            try:
+                ep = await choose(self.pool, role, policy, ctx, exclude=tried)
+            except NoEndpointAvailable:
+                if error is None:
+                    raise
+                raise error from None
+            if error is not None:
+                self.metrics.retries.labels(role).inc()
+                log.warning("request %s: %s leg failed on %s (%s); retrying on %s",
+                            req.request_id, role, tried[-1].url, error.message, ep.url)
+            tried.append(ep)
+            try:
+                result = await call(ep)
+            except RouterError as exc:
+                if not _note_failure(role, ep, exc):
+                    raise
+                error = exc
+                continue
+            ep.health.record_success()
             req.served_by[role] = ep.url
             return result
+        assert error is not None
+        raise error
+
+
+def _note_failure(role: Role, ep: Endpoint, exc: RouterError) -> bool:
+    """Record a failed leg on `ep`'s health; True when another engine may be tried.
+
+    A 4xx is the client's fault (the engine is fine). A prefill timeout is retried, unlike
+    a decode timeout: prefill is short, so a stall means a stuck engine (e.g. frozen), and
+    a second P costs at most one more prefill deadline."""
+    if isinstance(exc, EngineRejected):
+        ep.health.record_success()
+        return False
+    ep.health.record_failure()
+    if isinstance(exc, EngineUnavailable) and exc.connect_failed:
+        ep.set_healthy(False)
+    return exc.retryable or (role == "prefill" and isinstance(exc, EngineTimeout))
+
+
+class _DecodeBodies:
+    """The decode leg's body per attempt. P's KV params may be read once: after an attempt
+    that reached a D (anything but a refused connection) that D may have read and released
+    P's blocks, so a retry on another D must not read them again (they may hold another
+    request's KV by then). Retries then carry no params, D recomputes the prompt (counted as
+    a `decode_retry` fallback) and P is told to free whatever it still pins (`settle`)."""
+
+    def __init__(self, orch: Orchestrator, req: ClientRequest,
+                 prefill: PrefillOutcome | None) -> None:
+        self._orch, self._req = orch, req
+        self.prefill = prefill
+        self._body = decode_body(dict(req.body), prefill.kv_params if prefill else None)
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[bytes]:
+        try:
+            yield self._body
         except RouterError as exc:
             if isinstance(exc, EngineUnavailable) and exc.connect_failed:
-                ep.set_healthy(False)
-            if not exc.retryable:
                 raise
-            first_error = exc
-        try:
-            retry_ep = await choose(self.pool, role, policy, ctx, exclude=(ep,))
-        except NoEndpointAvailable:
-            raise first_error from None
-        self.metrics.retries.labels(role).inc()
-        log.warning("request %s: %s leg failed on %s (%s); retrying on %s", req.request_id,
-                    role, ep.url, first_error.message, retry_ep.url)
-        result = await call(retry_ep)
-        req.served_by[role] = retry_ep.url
-        return result
+            if self.prefill is not None and self.prefill.kv_params is not None:
+                self._orch.metrics.fallbacks.labels("decode_retry").inc()
+                self.prefill = None  # billing: D's own usage from now on
+                self._body = decode_body(dict(self._req.body), None)
+            raise
+
+    def settle(self, prefill: PrefillOutcome | None) -> None:
+        """After a successful decode: free P's blocks if the retry did not use them (on
+        failure `Orchestrator.handle` does it)."""
+        if self.prefill is not prefill:
+            self._orch.abort_prefill(self._req, prefill)
 
 
 def check_context_length(prompt_tokens: int, max_tokens: int | None, limit: int | None) -> None:

@@ -1,8 +1,10 @@
 """Engine endpoints, their health, and in-flight accounting.
 
-The pool is static (URLs from the config). A background task probes every engine every
-`interval` seconds; the orchestrator also marks an engine unhealthy the moment a connect
-fails, and the next passing probe brings it back. In-flight counts are kept with
+The pool starts from the static URLs in the config; membership can then change at run time
+(`add`, `remove`, `drain`: Kubernetes discovery and the admin API call them on the event
+loop). A background task probes every engine every `interval` seconds; the orchestrator
+also marks an engine unhealthy the moment a connect fails, and the next passing probe
+brings it back. In-flight counts are kept with
 `track()`, a context manager, so every exit path (error, cancel, client disconnect) releases.
 """
 
@@ -17,6 +19,7 @@ from typing import Literal
 
 from prometheus_client import Gauge
 
+from router.health import EngineHealth, HealthSettings
 from router.metrics import RouterMetrics
 
 __all__ = ["Endpoint", "EndpointPool", "Role"]
@@ -37,6 +40,9 @@ class Endpoint:
     index: int
     healthy: bool = True
     in_flight: int = 0
+    draining: bool = False
+    # Thresholded probe verdicts, passive ejection, circuit breaker (router/health.py).
+    health: EngineHealth = field(default_factory=EngineHealth, repr=False)
     _in_flight_gauge: Gauge | None = field(default=None, repr=False)
     _healthy_gauge: Gauge | None = field(default=None, repr=False)
 
@@ -51,15 +57,25 @@ class Endpoint:
 
 
 class EndpointPool:
-    """The static set of prefill and decode endpoints."""
+    """The prefill and decode endpoints: a static start set plus run-time changes.
+
+    Role lists are replaced, never mutated in place, so a caller iterating a list it got
+    earlier is never disturbed by a concurrent `add`/`remove`.
+    """
 
     def __init__(
-        self, prefill: Sequence[str], decode: Sequence[str], metrics: RouterMetrics
+        self, prefill: Sequence[str], decode: Sequence[str], metrics: RouterMetrics,
+        *, health: HealthSettings | None = None,
     ) -> None:
+        self._metrics = metrics
+        self._health_settings = health
         self._by_role: dict[Role, list[Endpoint]] = {
             "prefill": [self._make(u, "prefill", i, metrics) for i, u in enumerate(prefill)],
             "decode": [self._make(u, "decode", i, metrics) for i, u in enumerate(decode)],
         }
+        self._next_index: dict[Role, int] = {"prefill": len(prefill), "decode": len(decode)}
+        for ep in self.all():
+            self._attach_health(ep)
 
     @staticmethod
     def _make(url: str, role: Role, index: int, metrics: RouterMetrics) -> Endpoint:
@@ -72,23 +88,90 @@ class EndpointPool:
         ep.set_healthy(True)
         return ep
 
+    def add(self, url: str, role: Role) -> Endpoint:
+        """Start routing to `url` as a `role` engine; returns its endpoint.
+
+        Idempotent: an endpoint already present is returned as is, and one that was
+        draining is taken back into service. A new endpoint starts healthy (the caller
+        knows it is up, e.g. its pod is Ready); the health loop corrects that if wrong.
+        `index` values of new endpoints are never reused within a role.
+        """
+        url = url.rstrip("/")
+        for ep in self._by_role[role]:
+            if ep.url == url:
+                if ep.draining:
+                    log.info("engine %s (%s) is back in service", url, role)
+                ep.draining = False
+                return ep
+        ep = self._attach_health(self._make(url, role, self._next_index[role], self._metrics))
+        self._next_index[role] += 1
+        self._by_role[role] = [*self._by_role[role], ep]
+        log.info("engine %s (%s) added", url, role)
+        return ep
+
+    def remove(self, url: str) -> bool:
+        """Forget `url` (every role it has) at once, even with requests in flight: those
+        finish on the `Endpoint` object they hold. Returns False if `url` was unknown."""
+        url = url.rstrip("/")
+        found = False
+        for role, eps in self._by_role.items():
+            if any(ep.url == url for ep in eps):
+                found = True
+                self._by_role[role] = [ep for ep in eps if ep.url != url]
+                self._forget_gauges(url, role)
+                log.info("engine %s (%s) removed", url, role)
+        return found
+
+    def drain(self, url: str) -> bool:
+        """Stop sending new requests to `url`; it is removed once its in-flight count is 0
+        (at once if it is idle). `add(url, role)` before then cancels the drain.
+        Returns False if `url` was unknown."""
+        url = url.rstrip("/")
+        eps = [ep for ep in self.all() if ep.url == url]
+        for ep in eps:
+            ep.draining = True
+            log.info("engine %s (%s) draining (%d in flight)", url, ep.role, ep.in_flight)
+            if ep.in_flight == 0:
+                self._remove_endpoint(ep)
+        return bool(eps)
+
+    def _remove_endpoint(self, ep: Endpoint) -> None:
+        eps = self._by_role[ep.role]
+        if ep in eps:
+            self._by_role[ep.role] = [e for e in eps if e is not ep]
+            self._forget_gauges(ep.url, ep.role)
+            log.info("engine %s (%s) drained and removed", ep.url, ep.role)
+
+    def _forget_gauges(self, url: str, role: Role) -> None:
+        # A removed engine must not linger in /metrics as a stale series.
+        for gauge in (self._metrics.engine_in_flight, self._metrics.engine_healthy):
+            with contextlib.suppress(KeyError):
+                gauge.remove(url, role)
+
     def endpoints(self, role: Role) -> list[Endpoint]:
-        """All endpoints of `role`, healthy or not, in config order."""
+        """All endpoints of `role`, healthy or not, draining or not, in the order added."""
         return self._by_role[role]
 
     def all(self) -> list[Endpoint]:
         """Every endpoint, prefill first."""
         return self._by_role["prefill"] + self._by_role["decode"]
 
+    def _attach_health(self, ep: Endpoint) -> Endpoint:
+        ep.health = EngineHealth(
+            self._health_settings, f"{ep.url} ({ep.role})",
+            on_open=self._metrics.breaker_opened.labels(ep.role).inc,
+        )
+        return ep
+
     def healthy(self, role: Role) -> list[Endpoint]:
-        """Endpoints of `role` whose last verdict was healthy."""
-        return [ep for ep in self._by_role[role] if ep.healthy]
+        """Endpoints of `role` that may take new requests: last verdict healthy, not
+        draining, circuit breaker not open (half-open: one trial at a time)."""
+        return [ep for ep in self._by_role[role]
+                if ep.healthy and not ep.draining and ep.health.admits(ep.in_flight)]
 
     def ready(self) -> bool:
-        """True when at least one prefill and one decode engine are healthy."""
-        return any(ep.healthy for ep in self._by_role["prefill"]) and any(
-            ep.healthy for ep in self._by_role["decode"]
-        )
+        """True when at least one prefill and one decode engine may take new requests."""
+        return bool(self.healthy("prefill")) and bool(self.healthy("decode"))
 
     @contextlib.contextmanager
     def track(self, ep: Endpoint) -> Iterator[Endpoint]:
@@ -103,13 +186,15 @@ class EndpointPool:
             ep.in_flight -= 1
             if gauge is not None:
                 gauge.dec()
+            if ep.draining and ep.in_flight == 0:
+                self._remove_endpoint(ep)
 
     async def check_all(self, probe: Probe) -> None:
         """Probe every endpoint once, concurrently, and record the verdicts."""
         eps = self.all()
         results = await asyncio.gather(*(probe(ep) for ep in eps), return_exceptions=True)
         for ep, ok in zip(eps, results, strict=True):
-            ep.set_healthy(ok is True)
+            ep.set_healthy(ep.health.probe(ok is True, ep.healthy))
 
     async def run_health_checks(self, probe: Probe, interval_s: float) -> None:
         """Probe forever every `interval_s` seconds; cancel the task to stop it."""

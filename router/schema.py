@@ -9,6 +9,7 @@ to the offending field.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -86,6 +87,8 @@ class ClientRequest:
     prompt_token_ids: list[int] | None = None
     # Engine URL that served each leg, for the X-Pdgate-*-Engine response headers.
     served_by: dict[str, str] = field(default_factory=dict)
+    # The client's request headers (case-insensitive), for policies such as `session`.
+    client_headers: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def stream(self) -> bool:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine_shim.kv_cache import BlockPool, OutOfBlocks, PagedKVCache
-from engine_shim.kv_layout import KVLayout
+from engine_shim.kv_layout import BLOCK_MAJOR, LAYER_MAJOR, LAYOUT_NAME, KVLayout, region_list
 
 
 def test_allocate_prefers_lowest_free_ids() -> None:
@@ -58,10 +58,12 @@ def test_pool_returns_to_full_under_concurrent_use() -> None:
     assert pool.num_free == 64
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_views_alias_the_buffer_at_layout_offsets(dtype: str) -> None:
+@pytest.mark.parametrize(("dtype", "name"), [("float32", BLOCK_MAJOR), ("bfloat16", BLOCK_MAJOR),
+                                            ("float32", LAYER_MAJOR)])
+def test_views_alias_the_buffer_at_layout_offsets(dtype: str, name: str) -> None:
     layout = KVLayout(
-        num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype
+        num_layers=2, num_blocks=5, block_size=4, num_kv_heads=2, head_dim=8, dtype=dtype,
+        layout=name,
     )
     kv = PagedKVCache(layout, "cpu")
     assert kv.buffer.shape == layout.shape and not kv.buffer.any()
@@ -77,6 +79,27 @@ def test_views_alias_the_buffer_at_layout_offsets(dtype: str) -> None:
         expected = src.to(kv.buffer.dtype).contiguous().view(-1).view(torch.uint8)
         assert torch.equal(raw[start : start + layout.block_bytes], expected)
     assert int(raw.ne(0).sum()) <= 2 * layout.block_bytes  # nothing else was touched
+
+
+def test_block_major_is_the_default_and_a_block_run_is_one_region() -> None:
+    lay = KVLayout(num_layers=3, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8)
+    assert lay.layout == LAYOUT_NAME == BLOCK_MAJOR and lay.shape == (6, 3, 2, 4, 2, 8)
+    slab = 3 * 2 * lay.block_bytes
+    assert region_list(lay, 1000, [(2, 3), (0, 1)]) == [(1000 + 2 * slab, 3 * slab),
+                                                       (1000, slab)]
+    layer = KVLayout(3, 6, 4, 2, 8, layout=LAYER_MAJOR)
+    assert layer.shape == (3, 2, 6, 4, 2, 8)
+    assert len(region_list(layer, 0, [(2, 3), (0, 1)])) == 3 * 2 * 2
+    assert sum(n for _, n in region_list(layer, 0, [(2, 3)])) == 3 * slab
+
+
+def test_mixing_layouts_is_refused_and_unknown_layouts_rejected() -> None:
+    block = KVLayout(num_layers=3, num_blocks=6, block_size=4, num_kv_heads=2, head_dim=8)
+    layer = KVLayout(3, 6, 4, 2, 8, layout=LAYER_MAJOR)
+    assert block.incompatibility(layer) == (
+        f"layout differs: local {BLOCK_MAJOR!r} vs remote {LAYER_MAJOR!r}")
+    with pytest.raises(ValueError, match="KVLayout.layout"):
+        KVLayout(3, 6, 4, 2, 8, layout="BSxNB")
 
 
 @pytest.mark.gpu

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from engine_shim.kv_cache import PagedKVCache
+from engine_shim.kv_layout import BLOCK_MAJOR, LAYER_MAJOR, LAYOUT_NAME
 from engine_shim.model import LlamaModel
 from engine_shim.model_config import ModelConfig
 from engine_shim.sampler import Sampler, SamplingParams
@@ -45,8 +46,8 @@ def hf_logits(hf: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
     return logits[0].float()
 
 
-def new_cache(model: LlamaModel, num_blocks: int = 12) -> PagedKVCache:
-    return PagedKVCache(model.make_kv_layout(num_blocks, BLOCK_SIZE), "cpu")
+def new_cache(model: LlamaModel, num_blocks: int = 12, layout: str = LAYOUT_NAME) -> PagedKVCache:
+    return PagedKVCache(model.make_kv_layout(num_blocks, BLOCK_SIZE, layout), "cpu")
 
 
 def test_prefill_logits_match_hf(model: LlamaModel, hf_model: LlamaForCausalLM) -> None:
@@ -57,14 +58,17 @@ def test_prefill_logits_match_hf(model: LlamaModel, hf_model: LlamaForCausalLM) 
     torch.testing.assert_close(out, hf_logits(hf_model, PROMPT), atol=ATOL, rtol=0)
 
 
-def test_prefill_then_decode_matches_hf(model: LlamaModel, hf_model: LlamaForCausalLM) -> None:
-    kv = new_cache(model)
+@pytest.mark.parametrize("layout", [LAYER_MAJOR, BLOCK_MAJOR])
+def test_prefill_then_decode_matches_hf(model: LlamaModel, hf_model: LlamaForCausalLM,
+                                        layout: str) -> None:
+    """Both KV layouts: block-major hands the attention strided per-layer views."""
+    kv = new_cache(model, layout=layout)
     rows = [model.forward_paged(torch.tensor(PROMPT[:3]), 0, TABLE, kv)]
     for pos in range(3, len(PROMPT)):
         rows.append(model.forward_paged(torch.tensor([PROMPT[pos]]), pos, TABLE, kv))
     torch.testing.assert_close(torch.cat(rows), hf_logits(hf_model, PROMPT), atol=ATOL, rtol=0)
     # Only the blocks in the table were written.
-    touched = kv.buffer.abs().sum(dim=(0, 1, 3, 4, 5)).nonzero().flatten().tolist()
+    touched = kv.planes().abs().sum(dim=(0, 1, 3, 4, 5)).nonzero().flatten().tolist()
     assert sorted(touched) == sorted(TABLE)
 
 

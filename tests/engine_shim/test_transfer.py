@@ -28,7 +28,7 @@ from engine_shim.connector import (
     KVTransferError,
 )
 from engine_shim.kv_cache import BlockPool, PagedKVCache
-from engine_shim.kv_layout import KVLayout
+from engine_shim.kv_layout import BLOCK_MAJOR, LAYER_MAJOR, KVLayout
 from engine_shim.metrics import ShimMetrics
 from engine_shim.side_channel import SIDE_CHANNEL_VERSION, Envelope, decode_reply
 
@@ -53,7 +53,7 @@ def _p_command(cmd: tuple[Any, ...], conn: KVConnector, kv: PagedKVCache, pool: 
     if op == "abort":
         return conn.abort(cmd[1])
     if op == "blocks":  # the bytes of these blocks in every (layer, K|V)
-        return kv.buffer[:, :, list(cmd[1])].contiguous().view(torch.uint8).numpy().tobytes()
+        return kv.planes()[:, :, list(cmd[1])].contiguous().view(torch.uint8).numpy().tobytes()
     if op == "state":
         reg = metrics.registry
         return {
@@ -165,7 +165,7 @@ def _decode(layout: KVLayout) -> Iterator[tuple[KVConnector, PagedKVCache, ShimM
 
 
 def _local_bytes(kv: PagedKVCache, ids: list[int]) -> bytes:
-    return kv.buffer[:, :, ids].contiguous().view(torch.uint8).numpy().tobytes()
+    return kv.planes()[:, :, ids].contiguous().view(torch.uint8).numpy().tobytes()
 
 
 async def test_pull_copies_exact_bytes_and_notice_frees_p_blocks(
@@ -183,7 +183,7 @@ async def test_pull_copies_exact_bytes_and_notice_frees_p_blocks(
     assert nbytes == 5 * BLOCK_ALL_LAYERS
     assert _local_bytes(kv, local) == prefill.ask("blocks", remote)
     untouched = [b for b in range(LAYOUT.num_blocks) if b not in local]
-    assert not kv.buffer[:, :, untouched].any()  # nothing outside the target blocks written
+    assert not kv.planes()[:, :, untouched].any()  # nothing outside the target blocks written
     state = prefill.wait_state("leased", 0)
     assert state["leased"] == 0 and state["free"] == LAYOUT.num_blocks
     assert state["released"] == 1 and state["expired"] == 0
@@ -231,13 +231,34 @@ async def test_bad_params_raise_transfer_error(
 
 
 async def test_incompatible_layout_is_a_handshake_error(prefill: PeerProcess) -> None:
-    other = KVLayout(num_layers=2, num_blocks=32, block_size=32, num_kv_heads=2, head_dim=16)
+    # (block sizes may differ: tests/engine_shim/test_block_mapping.py)
+    other = KVLayout(num_layers=2, num_blocks=32, block_size=16, num_kv_heads=4, head_dim=16)
     params = prefill.ask("hold", "mismatch", 1)
     for conn, _, metrics in _decode(other):
-        with pytest.raises(KVHandshakeError, match="block_size differs: local 32 vs remote 16"):
+        with pytest.raises(KVHandshakeError, match="num_kv_heads differs: local 4 vs remote 2"):
             await asyncio.wait_for(conn.pull(params, [0]), 30)
         assert metrics.registry.get_sample_value(
             "pdgate_shim_kv_transfer_failures_total", {"op": "read", "reason": "handshake"}) == 1
+
+
+async def test_layer_major_engines_pull_and_refuse_a_block_major_peer() -> None:
+    """The layer-major layout (`--kv-layout layer`) still moves exact bytes; P and D must
+    agree on the layout (the default, block-major, is what every other test here uses)."""
+    layer = msgspec.structs.replace(LAYOUT, layout=LAYER_MAJOR)
+    p = _spawn_p("prefill-layer", layer, lease_seconds=60.0)
+    try:
+        params = p.ask("hold", "layer-1", 4)
+        for conn, kv, _ in _decode(layer):
+            local = [3, 4, 9, 10]
+            assert await asyncio.wait_for(conn.pull(params, local), 30) == 4 * BLOCK_ALL_LAYERS
+            assert _local_bytes(kv, local) == p.ask("blocks", params["remote_block_ids"])
+        params = p.ask("hold", "block-1", 1)
+        for conn, _, _ in _decode(LAYOUT):
+            with pytest.raises(KVHandshakeError, match=f"layout differs: local {BLOCK_MAJOR!r}"):
+                await asyncio.wait_for(conn.pull(params, [0]), 30)
+        assert p.wait_state("leased", 1)["leased"] == 1  # the refused pull read nothing
+    finally:
+        assert _stop_p(p) == layer.num_blocks
 
 
 async def test_lease_expiry_frees_unread_blocks_and_dead_peer_fails_fast(

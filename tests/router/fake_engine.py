@@ -22,6 +22,8 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
+from proxy import KVReady, NotifySender
+
 PREFILL_PROMPT_TOKENS = 11
 PREFILL_CACHED_TOKENS = 3
 DECODE_PROMPT_TOKENS = 99
@@ -56,9 +58,18 @@ class FakeEngine:
     requests: list[Recorded] = field(default_factory=list)
     aborted_streams: int = 0
     finished_streams: int = 0
+    # Notify/push flows (router/flows_*.py): serve /v1/kv/reserve, /v1/kv/info and
+    # /v1/kv/abort like a shim; as P, answer KV-ready "ok" | "failed" | "never" (no notice)
+    # and reply with pdgate params unless `push_params` is off (P stopped early).
+    kv_endpoints: bool = True
+    kv_ready: str = "ok"
+    push_params: bool = True
+    reserves: list[dict[str, Any]] = field(default_factory=list)
+    aborts: list[str] = field(default_factory=list)
     url: str = ""
     _runner: web.AppRunner | None = None
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
+    _sender: NotifySender | None = None
 
     async def _pause(self, seconds: float) -> None:
         """Sleep, but wake at once when the engine stops (so teardown never waits)."""
@@ -79,6 +90,10 @@ class FakeEngine:
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_post("/v1/chat/completions", self._completion)
         app.router.add_get("/health", self._health)
+        if self.kv_endpoints:
+            app.router.add_post("/v1/kv/reserve", self._reserve)
+            app.router.add_post("/v1/kv/info", self._info)
+            app.router.add_post("/v1/kv/abort", self._abort)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         sock = socket.socket()
@@ -90,9 +105,48 @@ class FakeEngine:
 
     async def stop(self) -> None:
         self._stopping.set()
+        if self._sender is not None:
+            self._sender.close()
+            self._sender = None
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    async def _reserve(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.reserves.append(body)
+        return web.json_response({
+            **self.info(), "reservation_id": f"{body['request_id']}@1",
+            "block_ids": list(range(7, 7 + -(-body["num_tokens"] // 4))),
+            "num_tokens": body["num_tokens"]})
+
+    def info(self) -> dict[str, Any]:
+        return {"engine_id": self.engine_id, "agent_name": f"{self.engine_id}-agent",
+                "host": "127.0.0.1", "port": 5700, "block_size": 4, "num_blocks": 64}
+
+    async def _info(self, request: web.Request) -> web.Response:
+        return web.json_response(self.info())
+
+    async def _abort(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.aborts.append(body["request_id"])
+        return web.json_response(body)
+
+    def _push(self, rec: Recorded) -> dict[str, Any] | None:
+        """As P in notify/push mode: send the KV-ready notice; the reply's params."""
+        params = rec.body["kv_transfer_params"]
+        mode = params.get("pdgate_mode")
+        if mode is None or not self.push_params:
+            return None
+        endpoint = params.get("notify_endpoint")
+        if endpoint and self.kv_ready != "never":
+            if self._sender is None:
+                self._sender = NotifySender()
+            self._sender.send(endpoint, KVReady(
+                request_id=params["notify_request_id"], engine_id=self.engine_id,
+                status="ok" if self.kv_ready == "ok" else "failed",
+                error=None if self.kv_ready == "ok" else "fake write failure"))
+        return {"pdgate_mode": mode, "remote_engine_id": self.engine_id}
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({}, status=self.health_status)
@@ -122,7 +176,10 @@ class FakeEngine:
             "total_tokens": PREFILL_PROMPT_TOKENS + 1,
             "prompt_tokens_details": {"cached_tokens": PREFILL_CACHED_TOKENS},
         }
-        reply["kv_transfer_params"] = self.kv_params(rec) if self.return_kv_params else None
+        if rec.body["kv_transfer_params"].get("pdgate_mode"):
+            reply["kv_transfer_params"] = self._push(rec)
+        else:
+            reply["kv_transfer_params"] = self.kv_params(rec) if self.return_kv_params else None
         return reply
 
     def kv_params(self, rec: Recorded) -> dict[str, Any]:

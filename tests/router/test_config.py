@@ -136,3 +136,44 @@ async def test_python_m_router_serves_and_stops_on_signal(
     finally:
         proc.send_signal(signum)
         assert await asyncio.wait_for(proc.wait(), 30) == 0
+
+
+async def test_sigterm_drains_in_flight_requests_before_exiting(
+    tiny_model_dir: Path, make_engine: Callable[..., Awaitable[FakeEngine]]
+) -> None:
+    """Graceful shutdown: a request already in flight when SIGTERM arrives still gets its
+    full answer; then the process exits 0 and stops accepting connections."""
+    p, d = await make_engine(), await make_engine(delay_s=1.5)
+    port = free_port()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router", "--model", str(tiny_model_dir), "--prefill", p.url,
+        "--decode", d.url, "--port", str(port), "--served-model-name", "tiny",
+        "--log-level", "warning", "--shutdown-timeout-s", "20",
+        cwd=Path(__file__).parents[2],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
+    )
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+            for _ in range(600):
+                try:
+                    if (await client.get("/ready")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert proc.returncode is None, "router exited"
+                await asyncio.sleep(0.05)
+            slow = asyncio.create_task(
+                client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}))
+            while not d.requests:  # the decode leg has started: the request is in flight
+                await asyncio.sleep(0.02)
+            proc.send_signal(signal.SIGTERM)
+            resp = await slow
+            assert resp.status_code == 200
+            assert resp.json()["choices"][0]["text"] == "Hello world!"
+        assert await asyncio.wait_for(proc.wait(), 30) == 0
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

@@ -166,15 +166,14 @@ async def test_only_engine_5xx_gives_502(pd: PD) -> None:
     assert d.requests == []
 
 
-async def test_all_prefill_dead_gives_502_then_503(pd: PD) -> None:
+async def test_all_prefill_dead_falls_back_to_decode_only(pd: PD) -> None:
     p, d, router = pd
     await p.stop()
-    resp = await router.client.post(COMPLETIONS, json={"model": MODEL, "prompt": "x"})
-    assert resp.status_code == 502
-    assert resp.json()["error"]["code"] == "engine_unavailable"
-    resp = await router.client.post(COMPLETIONS, json={"model": MODEL, "prompt": "x"})
-    assert resp.status_code == 503
-    assert resp.json()["error"]["code"] == "no_endpoint_available"
+    for _ in range(2):  # first: connect fails, P marked down; then: no P at all
+        resp = await router.client.post(COMPLETIONS, json={"model": MODEL, "prompt": "x"})
+        assert resp.status_code == 200
+    assert [r.body.get("kv_transfer_params") for r in d.decodes] == [None, None]
+    assert router.metric("pdgate_fallbacks_total", {"reason": "no_prefill"}) == 2
     assert (await router.client.get("/ready")).status_code == 503
 
 

@@ -1,0 +1,189 @@
+"""End to end on shim engines (tiny model, CPU): TTFT and throughput of colocated vs pull vs
+notify vs push, side by side in one run (design.md §7).
+
+For each mode a fresh 1P1D cluster is started with `pdgate up` (block size 16); "colocated"
+is the same cluster shape with `--disagg-min-tokens` above every prompt, so each request
+runs on the decode engine alone behind the same router. The load: `--requests` streaming
+completions at `--concurrency`, each a distinct ~`--prompt-tokens` prompt and
+`--max-tokens` greedy tokens (ignore_eos), after a warm-up. TTFT is client send -> first
+content chunk; latency is send -> [DONE]; req/s is requests / wall time.
+
+    python bench/e2e.py [--requests 64] [--concurrency 4] [--prompt-tokens 480] [--json]
+
+Every process shares the machine's cores, so absolute figures are noisy; compare ratios
+from one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("colocated", "pull", "notify", "push")
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron "
+         "pi rho sigma tau upsilon phi chi psi omega").split()
+
+
+def _free_base(count: int) -> int:
+    for base in range(21000, 60000, 97):
+        ok = True
+        for port in range(base, base + count):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise RuntimeError("no free port range")
+
+
+def start(mode: str, log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`pdgate up` for `mode`; returns the process and the router URL once ready."""
+    base = _free_base(5)
+    flags = ["--pd-mode", "pull" if mode == "colocated" else mode]
+    if mode == "colocated":
+        flags.append("--router-arg=--disagg-min-tokens=1000000")
+    argv = [sys.executable, "-m", "pdgate.cli", "up", "--no-demo", "--port", str(base),
+            "--engine-port-base", str(base + 1), "--side-channel-port-base", str(base + 3),
+            "--block-size", "16", "--num-blocks", "2048", "--log-dir", str(log_dir), *flags]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{base}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pdgate up ({mode}) exited; logs in {log_dir}")
+        try:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    stop(proc)
+    raise RuntimeError(f"pdgate up ({mode}) not ready; logs in {log_dir}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def prompt(i: int, tokens: int) -> str:
+    # Distinct per request (no cross-request reuse); ~1 token per word for the tiny tokenizer.
+    words = [WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(tokens)]
+    return f"{i} " + " ".join(words)
+
+
+async def one(client: httpx.AsyncClient, text: str, max_tokens: int) -> tuple[float, float]:
+    body = {"prompt": text, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    t0 = time.perf_counter()
+    ttft = 0.0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()!r}")
+        async for line in r.aiter_lines():
+            if not ttft and line.startswith("data: {"):
+                ttft = time.perf_counter() - t0
+    return ttft, time.perf_counter() - t0
+
+
+async def load(url: str, args: argparse.Namespace, offset: int) -> dict[str, float]:
+    limits = httpx.Limits(max_connections=args.concurrency * 2)
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+        for i in range(args.warmup):
+            await one(client, prompt(offset - i - 1, args.prompt_tokens), args.max_tokens)
+        queue = list(range(offset, offset + args.requests))
+        results: list[tuple[float, float]] = []
+
+        async def worker() -> None:
+            while queue:
+                i = queue.pop()
+                results.append(await one(client, prompt(i, args.prompt_tokens),
+                                         args.max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        wall = time.perf_counter() - t0
+    ttfts = sorted(r[0] for r in results)
+    lats = sorted(r[1] for r in results)
+    return {
+        "ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "ttft_p90_ms": 1000 * ttfts[int(0.9 * (len(ttfts) - 1))],
+        "latency_p50_ms": 1000 * statistics.median(lats),
+        "req_per_s": len(results) / wall,
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    figures: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="pdgate-bench-e2e-") as tmp:
+        for mode in args.modes:
+            proc, url = start(mode, Path(tmp) / mode)
+            try:
+                # The same prompts in every mode.
+                figures[mode] = asyncio.run(load(url, args, 10_000))
+            finally:
+                stop(proc)
+            print(f"  {mode:<10} done", file=sys.stderr, flush=True)
+    pull = figures.get("pull")
+    for f in figures.values():
+        if pull:
+            f["ttft_vs_pull"] = f["ttft_p50_ms"] / pull["ttft_p50_ms"]
+    return figures
+
+
+def table(figures: dict[str, Any]) -> str:
+    head = (f"{'mode':<10} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'lat p50 ms':>11} "
+            f"{'req/s':>7} {'TTFT/pull':>10}")
+    rows = [head, "-" * len(head)]
+    for mode, f in figures.items():
+        rows.append(f"{mode:<10} {f['ttft_p50_ms']:>12.1f} {f['ttft_p90_ms']:>12.1f} "
+                    f"{f['latency_p50_ms']:>11.1f} {f['req_per_s']:>7.2f} "
+                    f"{f.get('ttft_vs_pull', float('nan')):>10.2f}")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=64, help="measured requests per mode")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    p.add_argument("--prompt-tokens", type=int, default=480, help="approx. prompt length")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
+    p.add_argument("--warmup", type=int, default=4, help="unmeasured requests first")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--json", action="store_true", help="print figures as JSON last line")
+    args = p.parse_args()
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    figures = run(args)
+    print(table(figures))
+    if args.json:
+        print(json.dumps({"e2e": figures, "config": {
+            "requests": args.requests, "concurrency": args.concurrency,
+            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens}}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

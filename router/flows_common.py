@@ -1,0 +1,234 @@
+"""Pieces shared by the notify and push flows (design.md §3): leg bodies, the prefill leg
+run off the critical path, engine KV info, best-effort aborts, and the decode relay.
+
+The `kv_transfer_params` keys below are the contract with the engine shim
+(engine_shim/push.py documents the engine side); vLLM engines ignore unknown keys but do not
+implement these flows, so a decode engine without `/v1/kv/reserve` makes notify fall back to
+pull (counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from router.engines import (
+    EngineClient,
+    PrefillUsage,
+    extract_kv_params,
+    prefill_usage,
+    rewrite_usage,
+)
+from router.errors import RouterError, error_json
+from router.metrics import RouterMetrics
+from router.pool import Endpoint, EndpointPool
+from router.schema import ClientRequest
+from router.sse import UsageRewriter
+
+__all__ = ["Aborter", "ChunkSource", "FlowMetrics", "KVInfoCache", "PrefillLeg",
+           "decode_leg_body", "prefill_leg_body", "relay", "rewrite_reply_usage"]
+
+log = logging.getLogger(__name__)
+_json_encode = msgspec.json.Encoder().encode
+_json_decode = msgspec.json.Decoder().decode
+_DONE = b"data: [DONE]\n\n"
+_PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
+ABORT_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class FlowMetrics:
+    """Metrics of the notify/push flows, on the app's registry."""
+
+    kv_wait: Histogram  # mode: prefill dispatched -> KV ready (notify) / first decode byte
+    flow_failures: Counter  # mode, reason
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> FlowMetrics:
+        return cls(
+            kv_wait=Histogram(
+                "pdgate_kv_wait_seconds", "Prefill dispatched to KV ready on decode",
+                ["mode"], registry=registry,
+                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 10),
+            ),
+            flow_failures=Counter(
+                "pdgate_pd_flow_failures", "Notify/push flows that failed, by reason",
+                ["mode", "reason"], registry=registry,
+            ),
+        )
+
+
+def prefill_leg_body(body: Mapping[str, Any], kv_params: dict[str, Any]) -> bytes:
+    """The P leg: the client body, non-streaming, one token, with `kv_transfer_params`."""
+    b = dict(body)
+    for key in _PREFILL_DROP:
+        b.pop(key, None)
+    b["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
+                               **kv_params}
+    b["stream"] = False
+    b["max_tokens"] = 1
+    if "max_completion_tokens" in b:
+        b["max_completion_tokens"] = 1
+    return _json_encode(b)
+
+
+def decode_leg_body(body: Mapping[str, Any], kv_params: dict[str, Any] | None) -> bytes:
+    """The D leg: the original body plus `kv_transfer_params` (None: D computes the prompt)."""
+    b = dict(body)
+    b.pop("kv_transfer_params", None)
+    if kv_params is not None:
+        b["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
+                                   **kv_params}
+    return _json_encode(b)
+
+
+class PrefillLeg:
+    """The P leg as a background task: its reply is not on the critical path, but it is
+    always consumed (or cancelled with `cancel()`), and its failure is visible at once."""
+
+    def __init__(self, task: asyncio.Task[dict[str, Any]], ep: Endpoint, t0: float) -> None:
+        self.task = task
+        self.ep = ep
+        self.t0 = t0
+
+    @classmethod
+    def start(cls, pool: EndpointPool, engines: EngineClient, ep: Endpoint,
+              req: ClientRequest, body: bytes) -> PrefillLeg:
+        async def call() -> dict[str, Any]:
+            with pool.track(ep):
+                return await engines.post_json(ep.url, req.path, body, req.engine_headers)
+
+        task = asyncio.create_task(call(), name=f"prefill-{req.request_id}")
+        task.add_done_callback(_consume)
+        req.served_by["prefill"] = ep.url
+        return cls(task, ep, time.perf_counter())
+
+    def error(self) -> BaseException | None:
+        """The leg's exception once it failed (None while running or after success)."""
+        if not self.task.done() or self.task.cancelled():
+            return None
+        return self.task.exception()
+
+    def kv_params(self) -> Any | None:
+        """P's reply `kv_transfer_params` once it succeeded, else None."""
+        if not self.task.done() or self.task.cancelled() or self.task.exception():
+            return None
+        return extract_kv_params(self.task.result())
+
+    def usage(self) -> PrefillUsage | None:
+        """P's usage once it answered (None while running, after failure or without)."""
+        if not self.task.done() or self.task.cancelled() or self.task.exception():
+            return None
+        return prefill_usage(self.task.result())
+
+    def cancel(self) -> None:
+        self.task.cancel()
+
+
+def _consume(task: asyncio.Task[Any]) -> None:
+    # A failed leg nobody awaits must not log "exception was never retrieved".
+    if not task.cancelled():
+        task.exception()
+
+
+class KVInfoCache:
+    """Engine id and side channel of each engine (`POST /v1/kv/info`), fetched once per URL.
+    An engine that restarts keeps its URL and side-channel port; its new NIXL agent is
+    found by the peer's handshake, so the cache never needs refreshing for that."""
+
+    def __init__(self, engines: EngineClient) -> None:
+        self._engines = engines
+        self._info: dict[str, dict[str, Any]] = {}
+
+    async def get(self, ep: Endpoint, headers: Mapping[str, str]) -> dict[str, Any]:
+        info = self._info.get(ep.url)
+        if info is None:
+            info = await self._engines.post_json(ep.url, "/v1/kv/info", b"{}", headers)
+            self._info[ep.url] = info
+        return info
+
+    def forget(self, ep: Endpoint) -> None:
+        self._info.pop(ep.url, None)
+
+
+class Aborter:
+    """Tells engines to free what they hold for a request (P's blocks, D's reservation or
+    push wait): `POST /v1/kv/abort`, in the background and best effort (an engine that is
+    down frees by its TTLs). One per app; `close()` cancels what is still running."""
+
+    def __init__(self, engines: EngineClient) -> None:
+        self._engines = engines
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def abort(self, ep: Endpoint, request_id: str, headers: Mapping[str, str]) -> None:
+        body = _json_encode({"request_id": request_id})
+
+        async def call() -> None:
+            with contextlib.suppress(RouterError, TimeoutError):
+                async with asyncio.timeout(ABORT_TIMEOUT_S):
+                    await self._engines.post_json(ep.url, "/v1/kv/abort", body, headers)
+
+        task = asyncio.create_task(call(), name=f"kv-abort-{request_id}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+class ChunkSource(Protocol):
+    """An open decode stream (`EngineStream`, or one wrapped to watch the prefill leg)."""
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+
+def rewrite_reply_usage(raw: bytes, usage: PrefillUsage) -> bytes:
+    """A non-streaming decode reply with its usage billed from P (else unchanged)."""
+    try:
+        reply = _json_decode(raw)
+    except msgspec.DecodeError:
+        return raw
+    if isinstance(reply, dict) and isinstance(reply.get("usage"), dict):
+        rewrite_usage(reply["usage"], usage)
+        return _json_encode(reply)
+    return raw
+
+
+async def relay(stream: ChunkSource, prefill: PrefillLeg | None, metrics: RouterMetrics,
+                t0: float, mode: str, rewrite: bool) -> AsyncGenerator[bytes, None]:
+    """D's SSE bytes as they arrive. With `rewrite`, usage chunks are billed from P's reply
+    (when it is in by then; D's own count of the prompt is right otherwise). A failure
+    mid-stream ends it with an SSE error event and [DONE]."""
+    def fix(usage: dict[str, Any]) -> None:
+        p_usage = prefill.usage() if prefill is not None else None
+        if p_usage is not None:
+            rewrite_usage(usage, p_usage)
+
+    rewriter = UsageRewriter(fix) if rewrite else None
+    last = 0.0
+    try:
+        async for chunk in stream.chunks():
+            now = time.perf_counter()
+            if last:
+                metrics.inter_token_latency.observe(now - last)
+            else:
+                metrics.child(metrics.ttft, mode).observe(now - t0)
+            last = now
+            out = rewriter.feed(chunk) if rewriter else chunk
+            if out:
+                yield out
+        if rewriter and (tail := rewriter.flush()):
+            yield tail
+    except RouterError as exc:
+        log.warning("decode stream failed mid-response: %s", exc.message)
+        yield b"data: " + error_json(exc) + b"\n\n" + _DONE

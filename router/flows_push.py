@@ -1,0 +1,190 @@
+"""The push flow (design.md §3, `--pd-mode push`, vLLM NixlPushConnector style).
+
+Per request: pick P and D → send both legs at once. P's leg asks it to keep the prompt's KV
+for a push; D's leg names P's engine id and side channel (`POST /v1/kv/info`, cached per
+engine). D allocates the prompt's blocks and registers them with P over NIXL; P WRITEs as
+soon as its prefill is done and D's registration is there (either may come first); D
+decodes when the KV has landed. TTFT ≈ max(prefill, D's admission) + WRITE.
+
+The P leg is watched until it answers: if it fails, the decode leg is cancelled (D drops its
+registration and frees its blocks) and the client gets P's error — or an SSE error event if
+D's stream had already started. If P answers without pushing (it stopped early, as vLLM does
+when no KV is worth keeping), D is told to stop waiting and computes the prompt itself
+(counted as a fallback). A prefill engine without `/v1/kv/info` (not a shim) makes the
+request run the pull flow instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+from router.engines import EngineStream
+from router.errors import EngineError, EngineRejected, RouterError
+from router.flows_common import (
+    Aborter,
+    FlowMetrics,
+    KVInfoCache,
+    PrefillLeg,
+    decode_leg_body,
+    prefill_leg_body,
+    relay,
+    rewrite_reply_usage,
+)
+from router.orchestrator import Orchestrator, StreamResult
+from router.policies import PickContext, choose
+from router.pool import Endpoint
+from router.schema import ClientRequest
+
+__all__ = ["PushFlow"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+MODE = "push"
+
+
+class PushFlow:
+    """Runs disaggregated requests in push mode. Built once per app, in the lifespan."""
+
+    def __init__(self, orch: Orchestrator, metrics: FlowMetrics, aborter: Aborter,
+                 info: KVInfoCache) -> None:
+        self.orch = orch
+        self.metrics = metrics
+        self.aborter = aborter
+        self.info = info
+
+    async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult | None:
+        """Serve `req`; None means "run the pull flow" (P cannot push)."""
+        o = self.orch
+        ctx = PickContext.of(req)
+        p_ep = await choose(o.pool, "prefill", o.policies["prefill"], ctx)
+        d_ep = await choose(o.pool, "decode", o.policies["decode"], ctx)
+        try:
+            info = await self.info.get(p_ep, req.engine_headers)
+        except EngineRejected as exc:
+            if exc.status != 404:
+                raise
+            o.metrics.fallbacks.labels("no_push").inc()
+            return None
+        n = len(req.prompt_token_ids or ())
+        p_body = prefill_leg_body(req.body, {"pdgate_mode": MODE, "num_tokens": n})
+        d_body = decode_leg_body(req.body, {
+            "pdgate_mode": MODE, "remote_engine_id": info["engine_id"],
+            "remote_host": info["host"], "remote_port": info["port"],
+            "remote_agent_name": info.get("agent_name"), "num_tokens": n,
+            "remote_block_ids": [],  # D's own blocks get the KV; the field is required
+        })
+        leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, p_body)
+        req.served_by["decode"] = d_ep.url
+        watch = _Watch(self, req, leg, p_ep, d_ep)
+        if req.stream:
+            return await self._open_decode(req, d_ep, d_body, watch, t0)
+        return await self._run_decode(req, d_ep, d_body, watch, t0)
+
+    async def _run_decode(self, req: ClientRequest, d_ep: Endpoint, body: bytes,
+                          watch: _Watch, t0: float) -> bytes:
+        o = self.orch
+
+        async def call() -> bytes:
+            with o.pool.track(d_ep):
+                return await o.engines.post_raw(d_ep.url, req.path, body, req.engine_headers)
+
+        raw = await watch.run(asyncio.create_task(call()))
+        o.metrics.child(o.metrics.ttft, MODE).observe(time.perf_counter() - t0)
+        usage = watch.leg.usage() if watch.pushed else None
+        return raw if usage is None else rewrite_reply_usage(raw, usage)
+
+    async def _open_decode(self, req: ClientRequest, d_ep: Endpoint, body: bytes,
+                           watch: _Watch, t0: float) -> StreamResult:
+        o = self.orch
+        stack = contextlib.ExitStack()
+        stack.enter_context(o.pool.track(d_ep))
+        opening = asyncio.create_task(
+            o.engines.open_stream(d_ep.url, req.path, body, req.engine_headers))
+        try:
+            stream = await watch.run(opening)
+        except BaseException:
+            stack.close()
+            raise
+        stack.callback(stream.close)
+        stack.callback(watch.leg.cancel)  # a no-op once P has answered
+        source = _WatchedStream(stream, watch)
+        chunks = relay(source, watch.leg, o.metrics, t0, MODE, req.wants_usage_chunks)
+        return StreamResult(chunks, stack.close)
+
+
+class _Watch:
+    """Runs a decode-leg step while watching the prefill leg (see the module docstring)."""
+
+    def __init__(self, flow: PushFlow, req: ClientRequest, leg: PrefillLeg, p_ep: Endpoint,
+                 d_ep: Endpoint) -> None:
+        self.flow = flow
+        self.req = req
+        self.leg = leg
+        self.p_ep = p_ep
+        self.d_ep = d_ep
+        self.pushed = False  # P answered and kept its KV for D
+
+    async def run(self, step: asyncio.Task[T]) -> T:
+        """`step`'s result; cancels it and raises when P fails first. Any failure of `step`
+        aborts P's side."""
+        try:
+            if not self.leg.task.done():
+                await asyncio.wait({step, self.leg.task}, return_when=asyncio.FIRST_COMPLETED)
+            if self.leg.task.done() and not step.done():
+                self.prefill_done()
+            return await step
+        except BaseException:
+            step.cancel()
+            self.leg.cancel()
+            self.flow.aborter.abort(self.p_ep, self.req.request_id, self.req.engine_headers)
+            raise
+
+    def prefill_done(self) -> None:
+        """React to P's answer: raise P's error, or tell D to stop waiting if P did not
+        push, or note that it did."""
+        failure = self.leg.error()
+        if self.leg.task.cancelled():
+            raise EngineError(f"prefill leg on {self.p_ep.url} was cancelled")
+        if failure is not None:
+            self.flow.metrics.flow_failures.labels(MODE, "prefill_failed").inc()
+            if isinstance(failure, RouterError):
+                raise failure
+            raise EngineError(f"prefill leg on {self.p_ep.url} failed: {failure!r}")
+        params = self.leg.kv_params()
+        self.pushed = isinstance(params, dict) and params.get("pdgate_mode") == MODE
+        if not self.pushed:
+            self.flow.orch.metrics.fallbacks.labels("no_kv_push").inc()
+            self.flow.aborter.abort(self.d_ep, self.req.request_id, self.req.engine_headers)
+        self.flow.orch.metrics.prefill_duration.observe(time.perf_counter() - self.leg.t0)
+
+
+class _WatchedStream:
+    """D's stream, whose chunk reads also watch the prefill leg until P has answered: a P
+    failure then ends the stream with an error (D was waiting for KV that never comes)."""
+
+    def __init__(self, stream: EngineStream, watch: _Watch) -> None:
+        self._stream = stream
+        self._watch = watch
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        it = aiter(self._stream.chunks())
+        while True:
+            nxt = asyncio.ensure_future(anext(it))
+            try:
+                if not self._watch.leg.task.done():
+                    await asyncio.wait({nxt, self._watch.leg.task},
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    if not nxt.done():
+                        self._watch.prefill_done()
+                chunk = await nxt
+            except StopAsyncIteration:
+                return
+            except BaseException:
+                nxt.cancel()
+                raise
+            yield chunk

@@ -1,0 +1,40 @@
+"""Builds the `--pd-mode` flow in the app's lifespan: the KV-ready proxy (notify mode) and
+the notify or push flow object the orchestrator hands disaggregated requests to."""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry
+
+from proxy import NotifyServer, ProxyConfig, ProxyMetrics
+from router.config import RouterConfig
+from router.flows_common import Aborter, FlowMetrics, KVInfoCache
+from router.flows_notify import NotifyFlow
+from router.flows_push import PushFlow
+from router.orchestrator import Orchestrator, PDFlow
+
+__all__ = ["open_pd_flow"]
+
+
+async def open_pd_flow(
+    config: RouterConfig, orch: Orchestrator, registry: CollectorRegistry,
+    stack: contextlib.AsyncExitStack,
+) -> PDFlow | None:
+    """The flow for `config.pd_mode` (None for pull, which the orchestrator runs itself).
+    Notify mode starts the KV-ready proxy (its metrics on `registry`); `stack` stops it."""
+    if config.pd_mode == "pull":
+        return None
+    metrics = FlowMetrics.create(registry)
+    aborter = Aborter(orch.engines)
+    stack.push_async_callback(aborter.close)
+    if config.pd_mode == "push":
+        return PushFlow(orch, metrics, aborter, KVInfoCache(orch.engines))
+    proxy = NotifyServer(
+        ProxyConfig(bind=config.notify_bind, advertise_host=config.notify_advertise_host,
+                    notify_secret=config.notify_secret),
+        metrics=ProxyMetrics.create(registry),
+    )
+    await proxy.start()
+    stack.push_async_callback(proxy.close)
+    return NotifyFlow(orch, proxy, metrics, aborter, config.kv_ready_timeout_s)

@@ -1,0 +1,33 @@
+"""Per-leg endpoint selection: candidates -> weighted scorers clamped to [0, 1] -> a picker.
+
+One `Policy` Protocol (`base.py`), one module per policy, a read-only registry
+(`registry.py`), and the runner that filters, scores, picks and records (`runner.py`).
+
+| type             | picks                                                                |
+|------------------|----------------------------------------------------------------------|
+| `round-robin`    | the next candidate in turn                                           |
+| `least-inflight` | fewest requests in flight; ties rotate                               |
+| `power-of-two`   | the less loaded of two random candidates                             |
+| `session`        | the engine that served the session (header or `user`) before         |
+| `prefix-aware`   | the longest cached prefix (router's own index), unless load is skewed |
+| `kv-events`      | like `prefix-aware`, from engines' KV cache events where published    |
+"""
+
+from __future__ import annotations
+
+from router.policies.base import PickContext, Policy, PolicyEnv, Scorer
+from router.policies.registry import POLICIES, build_policy, check_policy, policy_spec
+from router.policies.runner import Selector, choose
+
+__all__ = [
+    "POLICIES",
+    "PickContext",
+    "Policy",
+    "PolicyEnv",
+    "Scorer",
+    "Selector",
+    "build_policy",
+    "check_policy",
+    "choose",
+    "policy_spec",
+]

@@ -1,0 +1,67 @@
+"""The read-only policy registry and the factory that turns a config spec into a `Selector`.
+
+Adding a policy: write one class (kebab-case `type`, frozen `Params`, `scorers`, async
+`pick`; see `router.policies.base.Policy`) in its own module and add it to `_BUILTINS`.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+from router.config import ConfigError, PolicySpec
+from router.metrics import RouterMetrics
+from router.policies.base import Policy, PolicyEnv, parse_params
+from router.policies.kv_aware import KVEventsAware
+from router.policies.least_inflight import LeastInflight
+from router.policies.power_of_two import PowerOfTwo
+from router.policies.prefix_aware import PrefixAware
+from router.policies.round_robin import RoundRobin
+from router.policies.runner import Selector
+from router.policies.session import Session
+
+__all__ = ["POLICIES", "build_policy", "check_policy", "policy_spec"]
+
+_BUILTINS: tuple[type[Any], ...] = (
+    RoundRobin,
+    LeastInflight,
+    PowerOfTwo,
+    Session,
+    PrefixAware,
+    KVEventsAware,
+)
+
+POLICIES: MappingProxyType[str, type[Policy]] = MappingProxyType(
+    {cls.type: cls for cls in _BUILTINS}
+)
+"""Registered policy classes by `type` name (read-only)."""
+
+
+def policy_spec(spec: str | PolicySpec) -> PolicySpec:
+    """A bare type name is the spec `{type: name}` with default params."""
+    return PolicySpec(type=spec) if isinstance(spec, str) else spec
+
+
+def check_policy(spec: str | PolicySpec) -> tuple[type[Policy], Any]:
+    """The class and parsed params of `spec`; `ConfigError` names the policy and field."""
+    spec = policy_spec(spec)
+    cls = POLICIES.get(spec.type)
+    if cls is None:
+        known = ", ".join(POLICIES)
+        raise ConfigError(f"unknown policy {spec.type!r} (known: {known})")
+    return cls, parse_params(spec.name or spec.type, spec.params, cls.Params)
+
+
+def build_policy(
+    spec: str | PolicySpec,
+    env: PolicyEnv | None = None,
+    metrics: RouterMetrics | None = None,
+) -> Selector:
+    """A fresh `Selector` for `spec` (a type name or a `{type, name, params}` spec).
+
+    `env` is the shared state (default: a private one with no KV events). Raises
+    `ConfigError` for an unknown type or bad params (the message names both)."""
+    cls, params = check_policy(spec)
+    env = env or PolicyEnv()
+    policy = cls(params, env)  # type: ignore[call-arg]
+    return Selector(policy, env, policy_spec(spec).name or cls.type, metrics)

@@ -1,0 +1,91 @@
+"""The selection runner: candidates -> weighted scorers clamped to [0, 1] -> one picker.
+
+`choose()` is what the orchestrator calls once per leg attempt. It filters the pool (healthy,
+right role, not already tried), raises `NoEndpointAvailable` when nothing is left, then hands
+the rest to a `Selector` (one configured policy): the selector runs the policy's scorers,
+clamps and weighs their outputs, lets the policy pick, times the whole selection, and
+records the prompt's blocks on the chosen engine in the approximate prefix index (that
+engine will hold them once it has served the request) plus the prefix hit metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from router.errors import NoEndpointAvailable
+from router.metrics import RouterMetrics
+from router.policies.base import PickContext, Policy, PolicyEnv
+from router.pool import Endpoint, EndpointPool, Role
+
+__all__ = ["Selector", "choose"]
+
+
+class Selector:
+    """One configured policy (`name` from its spec) with the runner's stages around it.
+    Built once per leg at startup; used on the event loop only."""
+
+    def __init__(
+        self, policy: Policy, env: PolicyEnv, name: str, metrics: RouterMetrics | None = None
+    ) -> None:
+        self.policy = policy
+        self.env = env
+        self.name = name
+        self.metrics = metrics
+
+    @property
+    def type(self) -> str:
+        return self.policy.type
+
+    async def select(
+        self, role: Role, candidates: Sequence[Endpoint], ctx: PickContext
+    ) -> Endpoint:
+        """Score, pick and record one of `candidates` (non-empty, all eligible)."""
+        t0 = time.perf_counter()
+        scores = self.scores(candidates, ctx)
+        ep = await self.policy.pick(candidates, scores, ctx)
+        self._record(role, ep, ctx)
+        if self.metrics is not None:
+            m = self.metrics
+            m.child(m.policy_duration, role).observe(time.perf_counter() - t0)
+        return ep
+
+    def scores(self, candidates: Sequence[Endpoint], ctx: PickContext) -> list[float]:
+        """Sum over the policy's scorers of weight x score clamped to [0, 1]."""
+        totals = [0.0] * len(candidates)
+        for scorer, weight in self.policy.scorers:
+            values = scorer.score(candidates, ctx)
+            for i, v in enumerate(values):
+                totals[i] += weight * min(1.0, max(0.0, v))
+        return totals
+
+    def _record(self, role: Role, ep: Endpoint, ctx: PickContext) -> None:
+        hashes = ctx.block_hashes(self.env.block_size)
+        if not hashes:
+            return
+        if self.metrics is not None:
+            hit = self.env.matched_blocks(hashes, [ep.url], use_events=True).get(ep.url, 0)
+            m = self.metrics
+            m.child(m.prefix_lookup_blocks, role).inc(len(hashes))
+            m.child(m.prefix_hit_blocks, role).inc(hit)
+        self.env.approx.insert(ep.url, hashes)
+        self.env.recent.insert(ep.url, hashes)
+
+
+async def choose(
+    pool: EndpointPool,
+    role: Role,
+    selector: Selector,
+    ctx: PickContext,
+    exclude: Sequence[Endpoint] = (),
+) -> Endpoint:
+    """Pick a healthy `role` endpoint not in `exclude` (the engines already tried).
+
+    Raises `NoEndpointAvailable` when no such endpoint exists.
+    """
+    candidates = pool.healthy(role)
+    if exclude:
+        candidates = [ep for ep in candidates if ep not in exclude]
+    if not candidates:
+        raise NoEndpointAvailable(f"no healthy {role} engine available")
+    return await selector.select(role, candidates, ctx)

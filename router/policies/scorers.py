@@ -1,0 +1,55 @@
+"""Scorers shared by policies. Each returns one value per candidate, higher is better;
+the runner clamps to [0, 1] and applies the policy's weights."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar
+
+from router.policies.base import PickContext, PolicyEnv
+from router.pool import Endpoint
+
+__all__ = ["LoadScorer", "PrefixScorer", "SpreadScorer"]
+
+
+class LoadScorer:
+    """1 / (1 + requests in flight): 1 for an idle engine, falling towards 0."""
+
+    name: ClassVar[str] = "load"
+
+    def score(self, candidates: Sequence[Endpoint], ctx: PickContext) -> list[float]:
+        return [1.0 / (1 + ep.in_flight) for ep in candidates]
+
+
+class PrefixScorer:
+    """Fraction of the prompt's full blocks the engine already holds (longest matching
+    prefix). `use_events`: trust engines' KV events where an engine publishes them."""
+
+    name: ClassVar[str] = "prefix"
+
+    def __init__(self, env: PolicyEnv, *, use_events: bool) -> None:
+        self._env = env
+        self._use_events = use_events
+
+    def score(self, candidates: Sequence[Endpoint], ctx: PickContext) -> list[float]:
+        hashes = ctx.block_hashes(self._env.block_size)
+        if not hashes:
+            return [0.0] * len(candidates)
+        urls = [ep.url for ep in candidates]
+        matched = self._env.matched_blocks(hashes, urls, use_events=self._use_events)
+        return [matched.get(u, 0) / len(hashes) for u in urls]
+
+
+class SpreadScorer:
+    """Prefers engines believed to hold fewer cached blocks (1 - own / largest), so new
+    prefixes spread over the engines instead of piling onto one."""
+
+    name: ClassVar[str] = "spread"
+
+    def __init__(self, env: PolicyEnv) -> None:
+        self._env = env
+
+    def score(self, candidates: Sequence[Endpoint], ctx: PickContext) -> list[float]:
+        sizes = [self._env.approx.blocks_of(ep.url) for ep in candidates]
+        top = max(sizes)
+        return [1.0 - s / top if top else 1.0 for s in sizes]

@@ -1,0 +1,350 @@
+"""The Helm chart: rendered for the default values and for values-vllm.yaml, every manifest
+validated against the Kubernetes API schemas, and the parts that must agree checked against
+each other and against the real router and shim command lines."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import tomllib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+
+from engine_shim.cli import build_parser as shim_parser
+from engine_shim.metrics import ShimMetrics
+from proxy.metrics import ProxyMetrics
+from router.cli import build_parser as router_parser
+from router.config import load_config, validate_config
+from router.metrics import RouterMetrics
+from router.policies import POLICIES
+from tests.deploy.helm_render import CHART, ROOT, Rendered, Renderer, build
+
+KUBE_VERSION = "1.30.0"
+MONITORING = ("monitoring.coreos.com/v1",)
+VLLM_VALUES = CHART / "values-vllm.yaml"
+
+
+@pytest.fixture(scope="session")
+def renderer(tmp_path_factory: pytest.TempPathFactory) -> Renderer:
+    return Renderer(build(tmp_path_factory.mktemp("helmrender")))
+
+
+@pytest.fixture(scope="session")
+def default(renderer: Renderer) -> Rendered:
+    return renderer.render()
+
+
+@pytest.fixture(scope="session")
+def vllm(renderer: Renderer) -> Rendered:
+    return renderer.render(VLLM_VALUES, api_versions=MONITORING)
+
+
+@pytest.fixture(params=["default", "vllm"])
+def rendered(request: pytest.FixtureRequest) -> Rendered:
+    result: Rendered = request.getfixturevalue(request.param)
+    return result
+
+
+def coalesce(user: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(defaults)
+    for key, value in user.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = coalesce(value, out[key])
+        elif value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return out
+
+
+def values(*files: Path) -> dict[str, Any]:
+    merged: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text())
+    for f in files:
+        merged = coalesce(yaml.safe_load(f.read_text()), merged)
+    return merged
+
+
+def write_values(tmp_path: Path, overrides: dict[str, Any]) -> Path:
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(overrides))
+    return path
+
+
+def containers(m: dict[str, Any]) -> list[dict[str, Any]]:
+    result: list[dict[str, Any]] = m["spec"]["template"]["spec"]["containers"]
+    return result
+
+
+def selects(selector: str, labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in (t.split("=", 1) for t in selector.split(",")))
+
+
+def engine_deployments(r: Rendered) -> dict[str, dict[str, Any]]:
+    return {m["metadata"]["labels"]["pdgate.io/role"]: m for m in r.of("Deployment")
+            if "pdgate.io/role" in m["metadata"]["labels"]}
+
+
+def expand(arg: str, env: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion of container args, with stand-in values."""
+    return re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg)
+
+
+def test_chart_metadata_matches_the_project() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert chart["apiVersion"] == "v2" and chart["name"] == "pdgate"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"])
+    assert chart["appVersion"] == project["version"]
+
+
+@pytest.mark.parametrize("files", [(), (VLLM_VALUES,)], ids=["default", "vllm"])
+def test_values_follow_the_schema(files: tuple[Path, ...]) -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    jsonschema.validate(values(*files), schema)
+
+
+@pytest.mark.parametrize(("path", "value"), [
+    (("engines", "kind"), "tgi"),
+    (("router", "replicas"), "two"),
+    (("router", "servce"), {}),
+    (("engines", "vllm", "kvTransferConfig", "kv_connector"), "LMCacheConnector"),
+    (("apiKeys", "keys"), ["a,b-with-comma"]),
+])
+def test_schema_rejects_bad_values(path: tuple[str, ...], value: Any) -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    bad = values()
+    node = bad
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+
+
+def test_every_manifest_validates_against_kubernetes_schemas(rendered: Rendered) -> None:
+    kinds = set()
+    for m in rendered.manifests:
+        kinds.add(m["kind"])
+        if m["apiVersion"].startswith("monitoring.coreos.com/"):
+            # CRDs: kubernetes-validate has no schema; check the fields the operator needs.
+            assert m["spec"]["selector"] and (m["spec"].get("endpoints")
+                                               or m["spec"].get("podMetricsEndpoints"))
+            continue
+        kubernetes_validate.validate(m, KUBE_VERSION, strict=True)
+    assert {"Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",
+            "Secret", "PodDisruptionBudget"} <= kinds
+
+
+def test_optional_objects_follow_their_switches(default: Rendered, vllm: Rendered) -> None:
+    for kind in ("HorizontalPodAutoscaler", "Ingress", "ServiceMonitor"):
+        assert default.of(kind) == [] and len(vllm.of(kind)) == 1
+    assert [s["metadata"]["name"] for s in default.of("Secret")] == ["demo-pdgate-notify"]
+
+
+def test_router_config_is_a_valid_router_config(rendered: Rendered, tmp_path: Path) -> None:
+    cm = rendered.one("ConfigMap", "-router")
+    path = tmp_path / "router.yaml"
+    path.write_text(cm["data"]["router.yaml"])
+    config = validate_config(load_config(path), frozenset(POLICIES))  # strict field names
+    assert config.discovery == "k8s" and config.namespace == "llm"
+    engines = engine_deployments(rendered)
+    assert set(engines) == {"prefill", "decode"}
+    for role, dep in engines.items():
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        other = engines["decode" if role == "prefill" else "prefill"]
+        assert selects(getattr(config, f"{role}_selector"), labels)
+        assert not selects(getattr(config, f"{role}_selector"),
+                           other["spec"]["template"]["metadata"]["labels"])
+        http = next(p for p in containers(dep)[0]["ports"] if p["name"] == "http")
+        assert getattr(config, f"{role}_port") == http["containerPort"]
+    router = rendered.one("Deployment", "-router")
+    args = router_parser().parse_args(containers(router)[0]["args"])
+    mount = next(v for v in containers(router)[0]["volumeMounts"] if v["name"] == "config")
+    volume = next(v for v in router["spec"]["template"]["spec"]["volumes"]
+                  if v["name"] == "config")
+    assert args.config == f"{mount['mountPath']}/router.yaml"
+    assert volume["configMap"]["name"] == cm["metadata"]["name"]
+    port = containers(router)[0]["ports"][0]["containerPort"]
+    assert config.port == port and config.host == "0.0.0.0"
+
+
+def test_router_reaches_pods_through_rbac(rendered: Rendered) -> None:
+    router = rendered.one("Deployment", "-router")
+    account = router["spec"]["template"]["spec"]["serviceAccountName"]
+    assert rendered.one("ServiceAccount")["metadata"]["name"] == account
+    role = rendered.one("Role")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"],
+                              "verbs": ["get", "list", "watch"]}]
+    binding = rendered.one("RoleBinding")
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == account
+
+
+def test_services_and_friends_point_at_the_router(rendered: Rendered) -> None:
+    router = rendered.one("Deployment", "-router")
+    pod_labels = router["spec"]["template"]["metadata"]["labels"]
+    service = rendered.one("Service")
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert rendered.one("PodDisruptionBudget")["spec"]["selector"]["matchLabels"].items() \
+        <= pod_labels.items()
+    for hpa in rendered.of("HorizontalPodAutoscaler"):
+        assert hpa["spec"]["scaleTargetRef"]["name"] == router["metadata"]["name"]
+        assert "replicas" not in router["spec"]  # the HPA owns the count
+    for ing in rendered.of("Ingress"):
+        backend = ing["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+        assert backend["name"] == service["metadata"]["name"]
+        assert backend["port"]["name"] in [p["name"] for p in service["spec"]["ports"]]
+    for sm in rendered.of("ServiceMonitor"):
+        assert sm["spec"]["selector"]["matchLabels"].items() \
+            <= service["metadata"]["labels"].items()
+        assert sm["spec"]["endpoints"][0]["port"] in [p["name"] for p in
+                                                      service["spec"]["ports"]]
+
+
+def test_secrets_referenced_by_pods_exist(rendered: Rendered) -> None:
+    secrets = {s["metadata"]["name"]: s for s in rendered.of("Secret")}
+    refs = 0
+    for dep in rendered.of("Deployment"):
+        for c in containers(dep):
+            for env in c.get("env", []):
+                ref = env.get("valueFrom", {}).get("secretKeyRef")
+                if ref is None or ref.get("optional"):
+                    continue
+                refs += 1
+                assert ref["key"] in secrets[ref["name"]]["data"], env["name"]
+    assert refs >= 1
+
+
+def test_shim_engines_run_the_real_shim_cli(default: Rendered) -> None:
+    for role, dep in engine_deployments(default).items():
+        c = containers(dep)[0]
+        env = {"POD_NAME": f"{role}-0", "POD_IP": "10.1.2.3", "PDGATE_NOTIFY_SECRET": "s" * 20}
+        defined = {e["name"] for e in c["env"]}
+        assert all(v in defined for a in c["args"] for v in re.findall(r"\$\((\w+)\)", a))
+        args = shim_parser().parse_args([expand(a, env) for a in c["args"]])
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert args.port == ports["http"] and args.side_channel_port == ports["nixl"]
+        assert args.side_channel_host == "10.1.2.3" and args.engine_id == f"{role}-0"
+        assert args.device == "cuda" and c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_vllm_engines_get_the_nixl_connector(vllm: Rendered) -> None:
+    for dep in engine_deployments(vllm).values():
+        c = containers(dep)[0]
+        assert c["image"] == "vllm/vllm-openai:v0.11.0" and c["command"] == ["vllm", "serve"]
+        args = c["args"]
+        assert args[0] == "Qwen/Qwen3-8B"
+        kv = json.loads(args[args.index("--kv-transfer-config") + 1])
+        assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "$(POD_IP)"
+        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(ports["nixl"])
+        assert args[args.index("--port") + 1] == str(ports["http"])
+        assert dep["spec"]["replicas"] == 2
+
+
+def dashboard_metrics() -> dict[str, tuple[str, set[str]]]:
+    """Every pdgate metric the three processes register: name -> (type, label names)."""
+    found: dict[str, tuple[str, set[str]]] = {}
+    for create in (RouterMetrics.create, ShimMetrics.create, ProxyMetrics.create):
+        registry = CollectorRegistry()
+        create(registry)
+        for collector in list(registry._collector_to_names):
+            for family in getattr(collector, "describe")():  # noqa: B009
+                labels = set(getattr(collector, "_labelnames", ()))
+                found[family.name] = (family.type, labels)
+    return found
+
+
+def exprs(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            if key == "expr":
+                yield value
+            else:
+                yield from exprs(value)
+    elif isinstance(node, list):
+        for item in node:
+            yield from exprs(item)
+
+
+def test_grafana_dashboard_uses_real_metrics(default: Rendered) -> None:
+    cm = default.one("ConfigMap", "-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["pdgate.json"])
+    known = dashboard_metrics()
+    suffixes = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+                "gauge": ("",)}
+    used = set()
+    for expr in exprs(dashboard):
+        for series in re.findall(r"\bpdgate_\w+", expr):
+            base = next((series.removesuffix(s) for t, ss in
+                         (("counter", ("_total",)), ("histogram", ("_bucket", "_sum", "_count")))
+                         for s in ss if series.endswith(s) and series.removesuffix(s) in known),
+                        series)
+            assert base in known, f"{series}: no such metric"
+            kind, labels = known[base]
+            assert any(series == base + s for s in suffixes[kind]), f"{series} vs {kind}"
+            used.add(base)
+            for group in re.findall(r"by \(([^)]*)\)", expr):
+                for label in (x.strip() for x in group.split(",")):
+                    assert label == "le" or label in labels, f"{expr}: {base} has no {label}"
+    wanted = {"pdgate_requests", "pdgate_ttft_seconds", "pdgate_inter_token_latency_seconds",
+              "pdgate_proxy_wake_latency_seconds", "pdgate_shim_kv_transfer_bytes",
+              "pdgate_disagg_decisions", "pdgate_engine_healthy"}
+    assert wanted <= used
+
+
+def test_notes_tell_how_to_reach_the_router(renderer: Renderer, default: Rendered) -> None:
+    out = renderer.run(notes=True)
+    assert out.returncode == 0, out.stderr
+    service = default.one("Service")["metadata"]["name"]
+    assert f"port-forward svc/{service} 8000:80" in out.stdout
+    vllm_notes = renderer.run(VLLM_VALUES, api_versions=MONITORING, notes=True).stdout
+    assert "https://llm.example.com/v1/models" in vllm_notes
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    ({"engines": {"kind": "tgi"}}, "engines.kind: must be shim or vllm"),
+    ({"model": "meta-llama/Llama-3.1-8B"}, "model: shim engines load a local directory"),
+    ({"modelVolume": None}, "modelVolume: model is a path under /models"),
+    ({"router": {"replicas": 1}}, "router.pdb.minAvailable: must be below router.replicas"),
+    ({"router": {"ingress": {"enabled": True}}}, "router.ingress.host:"),
+    ({"router": {"autoscaling": {"enabled": True, "minReplicas": 5, "maxReplicas": 2}}},
+     "router.autoscaling: minReplicas must not exceed maxReplicas"),
+    ({"router": {"serviceMonitor": {"enabled": True}}}, "no monitoring.coreos.com/v1 API"),
+    ({"engines": {"decode": {"replicas": 0}}}, "engines.decode.replicas:"),
+    ({"notificationSecret": {"value": "short"}}, "notificationSecret.value:"),
+])
+def test_bad_settings_fail_with_the_key_named(
+    renderer: Renderer, tmp_path: Path, overrides: dict[str, Any], message: str
+) -> None:
+    assert message in renderer.error(write_values(tmp_path, overrides))
+
+
+def test_user_router_config_overrides_and_existing_secrets(
+    renderer: Renderer, tmp_path: Path
+) -> None:
+    r = renderer.render(write_values(tmp_path, {
+        "router": {"config": {"decode_policy": "round-robin", "health_interval_s": 2}},
+        "apiKeys": {"existingSecret": "my-keys"},
+        "notificationSecret": {"existingSecret": "my-notify"},
+    }))
+    cfg = yaml.safe_load(r.one("ConfigMap", "-router")["data"]["router.yaml"])
+    assert cfg["decode_policy"] == "round-robin" and cfg["health_interval_s"] == 2
+    assert r.of("Secret") == []
+    env = {e["name"]: e for e in containers(r.one("Deployment", "-router"))[0]["env"]}
+    assert env["PDGATE_API_KEYS"]["valueFrom"]["secretKeyRef"]["name"] == "my-keys"
+    assert env["PDGATE_NOTIFY_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "my-notify"

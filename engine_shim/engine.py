@@ -47,6 +47,7 @@ from engine_shim.sequence import (
     EngineStopped,
     GenerateRequest,
     IncrementalDetokenizer,
+    KVLoadFailed,
     KVRole,
     OutOfKVBlocks,
     PromptTooLong,
@@ -57,8 +58,8 @@ from engine_shim.staging import HostStaging, create_staging
 from engine_shim.transfer_errors import KVConnectorError
 
 __all__ = [
-    "Engine", "EngineConfig", "EngineError", "EngineStopped", "KVTransfer", "OutOfKVBlocks",
-    "PromptTooLong", "RequestStream",
+    "Engine", "EngineConfig", "EngineError", "EngineStopped", "KVLoadFailed", "KVTransfer",
+    "OutOfKVBlocks", "PromptTooLong", "RequestStream",
 ]
 
 log = logging.getLogger(__name__)
@@ -102,6 +103,9 @@ class EngineConfig:
     kv_buffer_device: str | None = None
     # KV cache memory layout (kv_layout.LAYOUTS values): block-major by default.
     kv_layout: str = LAYOUT_NAME
+    # A decode whose remote KV cannot be loaded: "recompute" the prompt here (vLLM's
+    # default) or "fail" the request with a 502 so the caller sees the transfer failed.
+    kv_load_failure_policy: str = "recompute"
 
 
 class KVTransfer(Protocol):
@@ -361,6 +365,16 @@ class Engine:
         if isinstance(self.connector, KVPush):
             self.connector.forget_landing(tag)
 
+    def _kv_load_failed(self, seq: Sequence) -> None:
+        """The remote KV of `seq` could not be used: count it, then recompute the prompt
+        (the caller goes on) or, under the "fail" policy, end the request with a 502."""
+        if self.config.kv_load_failure_policy == "fail":
+            self.metrics.requests.labels(role="decode", status="kv_load_failed").inc()
+            raise KVLoadFailed(
+                f"request {seq.req.request_id}: the prompt's KV could not be loaded from the "
+                "prefill engine (kv_load_failure_policy=fail)")
+        self.metrics.requests.labels(role="decode", status="recompute").inc()
+
     def _claim_reservation(self, seq: Sequence) -> bool:
         """A notify-mode decode takes its reserved blocks; True when they cover the prompt
         (it then awaits the landing in `_prepare`). A size mismatch frees them and the
@@ -376,7 +390,7 @@ class Engine:
                 self._forget_landing(r.reservation_id)
             log.warning("request %s: reservation %r missing or for another prompt size; "
                         "recomputing the prompt", seq.req.request_id, rid)
-            self.metrics.requests.labels(role="decode", status="recompute").inc()
+            self._kv_load_failed(seq)
             return False
         seq.block_ids = list(r.block_ids)
         self._landing_for[seq] = r.reservation_id
@@ -404,7 +418,7 @@ class Engine:
         if not landed:
             log.warning("request %s: P's write notice for %s did not arrive; recomputing",
                         seq.req.request_id, tag)
-            self.metrics.requests.labels(role="decode", status="recompute").inc()
+            self._kv_load_failed(seq)
             return
         if await self._stage_in(seq, list(seq.block_ids)):
             self._mark_transferred(seq, len(seq.block_ids), "decode-notify")
@@ -413,7 +427,7 @@ class Engine:
         connector = self.connector
         n = seq.num_prompt
         if not isinstance(connector, KVPush):
-            self.metrics.requests.labels(role="decode", status="recompute").inc()
+            self._kv_load_failed(seq)
             return
         local = seq.block_ids[: self.scheduler.blocks_for(n)]
         try:
@@ -427,7 +441,7 @@ class Engine:
         except Exception as e:
             log.warning("request %s: KV push failed (%s: %s); recomputing the prompt",
                         seq.req.request_id, type(e).__name__, e)
-            self.metrics.requests.labels(role="decode", status="recompute").inc()
+            self._kv_load_failed(seq)
             return
         if await self._stage_in(seq, local):
             self._mark_transferred(seq, len(local), "decode-push")
@@ -458,7 +472,7 @@ class Engine:
         except Exception:
             log.exception("request %s: staging the KV in failed; recomputing the prompt",
                           seq.req.request_id)
-            self.metrics.requests.labels(role="decode", status="recompute").inc()
+            self._kv_load_failed(seq)
             return False
         return True
 
@@ -475,7 +489,7 @@ class Engine:
                 " recomputing the prompt", seq.req.request_id, len(remote), n,
                 "missing" if self.connector is None else "present",
             )
-            self.metrics.requests.labels(role="decode", status="recompute").inc()
+            self._kv_load_failed(seq)
             return
         local = seq.block_ids[: self.scheduler.blocks_for(n) if mapped else len(remote)]
         task = asyncio.ensure_future(self._pull_and_stage(self.connector, seq, local))
@@ -491,7 +505,7 @@ class Engine:
                 log.exception("request %s: KV pull raised unexpectedly", seq.req.request_id)
             log.warning("request %s: KV pull failed (%s: %s); recomputing the prompt",
                         seq.req.request_id, type(e).__name__, e)
-            self.metrics.requests.labels(role="decode", status="recompute").inc()
+            self._kv_load_failed(seq)
             return
         # The last prompt token is always recomputed: its logits give the first new token.
         layout = self.kv.layout

@@ -44,6 +44,14 @@ class EngineStopped(EngineError):
     error_type = "ServiceUnavailableError"
 
 
+class KVLoadFailed(EngineError):
+    """The remote KV could not be loaded and `--kv-load-failure-policy fail` forbids
+    recomputing it (a 502: the router retries elsewhere or tells the client)."""
+
+    status = 502
+    error_type = "KVTransferError"
+
+
 class KVRole(enum.Enum):
     """What `kv_transfer_params` asked of this request (vLLM NixlConnector semantics)."""
 

@@ -73,11 +73,12 @@ class Shim:
 
 def start_shim(
     model_dir: Path, *, connector_factory: ConnectorFactory | None = None,
-    kv_digests: bool = False,
+    kv_digests: bool = False, kv_load_failure_policy: str = "recompute",
 ) -> Shim:
     config = EngineConfig(model=str(model_dir), served_model_names=(MODEL,),
                           block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, kv_digests=kv_digests,
-                          admission_timeout=ADMISSION_TIMEOUT)
+                          admission_timeout=ADMISSION_TIMEOUT,
+                          kv_load_failure_policy=kv_load_failure_policy)
     engine = Engine.load(config, ShimMetrics.create())
     app = create_app(engine, connector_factory=connector_factory)
     sock = socket.socket()
@@ -589,6 +590,28 @@ def test_failed_pull_recomputes_and_still_answers(pd_pair: tuple[Shim, Shim]) ->
     assert d["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert recomputes(decode) == before + 1
     decode.wait_pool_full()
+
+
+def test_fail_policy_turns_a_failed_pull_into_a_502(tiny_model_dir: Path) -> None:
+    """`--kv-load-failure-policy fail`: no silent recompute; the caller gets a clear 502
+    (streaming: an error event) and no block stays allocated."""
+    registry: dict[str, CopyConnector] = {}
+    decode = start_shim(tiny_model_dir, kv_load_failure_policy="fail",
+                        connector_factory=lambda e: CopyConnector(registry, "D", e))
+    try:
+        params = {"do_remote_prefill": True, "remote_engine_id": "gone",
+                  "remote_block_ids": [0], "remote_host": "127.0.0.1", "remote_port": 1,
+                  "remote_request_id": "x"}
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "kv_transfer_params": params}
+        r = decode.post("/v1/completions", body)
+        assert r.status_code == 502, r.text
+        assert "could not be loaded" in r.json()["error"]["message"]
+        events = stream_events(decode, "/v1/completions", {**body, "stream": True})
+        assert any("error" in e for e in events if isinstance(e, dict))
+        assert recomputes(decode) == 0
+        decode.wait_pool_full()
+    finally:
+        stop_shim(decode)
 
 
 def test_streamed_decode_leg_equals_colocated(pd_pair: tuple[Shim, Shim]) -> None:

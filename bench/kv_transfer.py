@@ -155,7 +155,7 @@ def serve_p(conn: Connection, nbytes: int, device: str, dev: int, mem: MemType) 
         torch.cuda.set_device(tdev)
     buf = pattern(nbytes, tdev, SEED_P)
     d_bytes: torch.Tensor | None = None  # D's pattern, made on the first WRITE check
-    agent = NixlAgent("bench-P")
+    agent = NixlAgent("bench-P", vram=mem == "VRAM")
     agent.register(buf.data_ptr(), nbytes, mem, dev)
     conn.send((agent.metadata(), buf.data_ptr()))
     while True:
@@ -188,7 +188,7 @@ class Bench:
         self.p_bytes = pattern(nbytes, torch_device(s.device, s.p_dev), SEED_P)
         self.d_bytes = pattern(nbytes, self.tdev, SEED_D)
         metadata_, self.remote_base = conn.recv()
-        self.agent = NixlAgent("bench-D", telemetry=True)
+        self.agent = NixlAgent("bench-D", telemetry=True, vram=s.device.startswith("cuda"))
         self.agent.register(self.buf.data_ptr(), nbytes, s.mem, s.d_dev)
         self.peer = self.agent.add_remote(metadata_)
 

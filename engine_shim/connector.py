@@ -170,7 +170,7 @@ class KVConnector:
 
     def _open_agent(self) -> bytes:
         kv = self._kv
-        agent = NixlAgent(self.agent_name)
+        agent = NixlAgent(self.agent_name, vram=self._kv.mem_type == "VRAM")
         agent.register(kv.base_addr, kv.layout.total_bytes, mem_type(kv.mem_type), kv.device_id)
         self._reader = BlockTransfer(agent, kv.layout, kv.base_addr, kv.mem_type, kv.device_id)
         self._agent = agent

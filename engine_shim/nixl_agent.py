@@ -80,13 +80,16 @@ class NixlAgent:
 
     `name` must be unique among the agents that will ever talk to each other; the connector
     appends a random suffix per process so a restarted engine is a new agent to its peers.
-    `telemetry=True` makes `telemetry()` available (used by the benchmark)."""
+    `telemetry=True` makes `telemetry()` available (used by the benchmark); `vram=True`
+    when the agent will register GPU memory (it configures UCX for CUDA IPC)."""
 
-    def __init__(self, name: str, *, telemetry: bool = False) -> None:
-        # UCX reads its config when the backend starts. Without this a VRAM<-VRAM READ
-        # silently takes an emulated path (~0.5 GB/s on an H200) instead of CUDA IPC
-        # (~1 TB/s); an operator's explicit setting still wins.
-        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
+    def __init__(self, name: str, *, telemetry: bool = False, vram: bool = False) -> None:
+        if vram:
+            # UCX reads its config when the backend starts. Without this a VRAM<-VRAM READ
+            # silently takes an emulated path (~0.5 GB/s on an H200) instead of CUDA IPC
+            # (~1 TB/s); an operator's explicit setting still wins. Only for VRAM agents:
+            # on a host without CUDA, UCX warns about the unused variable at every start.
+            os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
         try:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as e:

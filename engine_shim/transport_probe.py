@@ -149,7 +149,9 @@ def _run_probe(mem_type: MemType, device_id: int, name: str, nbytes: int, iters:
     deadline = time.monotonic() + timeout
     bufs = (_buffer(nbytes, mem_type, device_id), _buffer(nbytes, mem_type, device_id))
     with _env(_SAME_PROCESS_ENV, "y"):
-        a, b = NixlAgent(f"{name}-probe-a"), NixlAgent(f"{name}-probe-b")
+        vram = mem_type == "VRAM"
+        a = NixlAgent(f"{name}-probe-a", vram=vram)
+        b = NixlAgent(f"{name}-probe-b", vram=vram)
     a.register(bufs[0].data_ptr(), nbytes, mem_type, device_id)
     b.register(bufs[1].data_ptr(), nbytes, mem_type, device_id)
     peer = a.add_remote(b.metadata())

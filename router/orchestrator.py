@@ -222,7 +222,7 @@ class Orchestrator:
             with self.pool.track(ep), bodies.attempt() as body:
                 return await self.engines.post_raw(ep.url, req.path, body, req.engine_headers)
 
-        raw = await self._with_retry("decode", req, call)
+        raw = await self._with_retry("decode", req, call, reuse=bodies.take_fresh)
         bodies.settle(prefill)
         self.metrics.child(self.metrics.ttft, mode).observe(time.perf_counter() - t0)
         usage_from_p = _usage_to_apply(bodies.prefill)
@@ -252,7 +252,7 @@ class Orchestrator:
             stack.callback(stream.close)
             return stream, stack
 
-        stream, stack = await self._with_retry("decode", req, call)
+        stream, stack = await self._with_retry("decode", req, call, reuse=bodies.take_fresh)
         bodies.settle(prefill)
         usage = _usage_to_apply(bodies.prefill) if req.wants_usage_chunks else None
         chunks = self.relay_decode(stream, usage, t0, mode)
@@ -283,11 +283,15 @@ class Orchestrator:
             yield b"data: " + error_json(exc) + b"\n\n" + _DONE
 
     async def _with_retry(
-        self, role: Role, req: ClientRequest, call: Callable[[Endpoint], Awaitable[T]]
+        self, role: Role, req: ClientRequest, call: Callable[[Endpoint], Awaitable[T]],
+        reuse: Callable[[], bool] | None = None,
     ) -> T:
         """Run `call` on a `role` engine; after a failure that blames the engine, try other
         engines (up to `max_retries` more, jittered exponential backoff between attempts).
-        Only called before any byte went to the client. Feeds each engine's breaker."""
+        When no other engine is left and `reuse()` says the next attempt's body differs
+        (decode without the KV params a dead P could not serve), an engine already tried
+        may serve it. Only called before any byte went to the client. Feeds each engine's
+        breaker."""
         ctx = PickContext.of(req)
         policy = self.policies[role]
         tried: list[Endpoint] = []
@@ -300,7 +304,12 @@ class Orchestrator:
             except NoEndpointAvailable:
                 if error is None:
                     raise
-                raise error from None
+                if reuse is None or not reuse():
+                    raise error from None
+                try:
+                    ep = await choose(self.pool, role, policy, ctx)
+                except NoEndpointAvailable:
+                    raise error from None
             if error is not None:
                 self.metrics.retries.labels(role).inc()
                 log.warning("request %s: %s leg failed on %s (%s); retrying on %s",
@@ -347,9 +356,11 @@ class _DecodeBodies:
         self._orch, self._req = orch, req
         self.prefill = prefill
         self._body = decode_body(dict(req.body), prefill.kv_params if prefill else None)
+        self._fresh = False  # the params were just dropped; no attempt has run without them
 
     @contextlib.contextmanager
     def attempt(self) -> Iterator[bytes]:
+        self._fresh = False  # this attempt runs the current body
         try:
             yield self._body
         except RouterError as exc:
@@ -359,7 +370,15 @@ class _DecodeBodies:
                 self._orch.metrics.fallbacks.labels("decode_retry").inc()
                 self.prefill = None  # billing: D's own usage from now on
                 self._body = decode_body(dict(self._req.body), None)
+                self._fresh = True
             raise
+
+    def take_fresh(self) -> bool:
+        """True once after the KV params were dropped: the recompute body has not run on
+        any engine yet, so even the D that failed on the params may serve it (its failure
+        may be P's: P died before D read the KV). Bounds that to one extra attempt."""
+        fresh, self._fresh = self._fresh, False
+        return fresh
 
     def settle(self, prefill: PrefillOutcome | None) -> None:
         """After a successful decode: free P's blocks if the retry did not use them (on

@@ -52,6 +52,9 @@ class FakeEngine:
     tokens: tuple[str, ...] = ("Hello", " world", "!")
     return_kv_params: bool = True
     fail_status: int | None = None  # answer completions with this status
+    # As D: answer 500 to a decode carrying KV params, like vLLM when P died before D read
+    # the KV (kv_load_failure_policy "fail"); decodes without params still succeed.
+    fail_kv_loads: bool = False
     delay_s: float = 0.0  # before answering a completion
     token_delay_s: float = 0.0  # between streamed tokens (none before the first)
     health_status: int = 200
@@ -161,6 +164,9 @@ class FakeEngine:
             err = {"error": {"message": f"fake failure {self.fail_status}", "type": "X",
                              "code": self.fail_status}}
             return web.json_response(err, status=self.fail_status)
+        if self.fail_kv_loads and not rec.is_prefill and "kv_transfer_params" in body:
+            err = {"error": {"message": "KV load failed", "type": "X", "code": 500}}
+            return web.json_response(err, status=500)
         chat = request.path.endswith("/chat/completions")
         if rec.is_prefill:
             return web.json_response(self._prefill_reply(rec, chat))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 
 from router.health import BreakerState, EngineHealth, HealthSettings, backoff_s
 from tests.router.conftest import MODEL
@@ -170,3 +171,43 @@ async def test_decode_retry_after_d_was_reached_recomputes_instead_of_rereading_
     assert resp.json()["usage"]["prompt_tokens"] == DECODE_PROMPT_TOKENS  # D's own count
     assert router.metric("pdgate_fallbacks_total", {"reason": "decode_retry"}) == 1
     await eventually(lambda: p.aborts == [resp.headers["X-Request-Id"]], "P frees its blocks")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+async def test_only_decode_engine_recomputes_when_the_kv_load_fails(
+    make_engine: MakeEngine, start_router: StartRouter, stream: bool
+) -> None:
+    """P died after its reply, before the only D read the KV: D fails the decode (vLLM's
+    500); with no other D the retry runs on the same D without params (D recomputes)."""
+    p, d = await make_engine(), await make_engine(fail_kv_loads=True)
+    router = await start_router([p], [d])
+    resp = await router.client.post(COMPLETIONS, json={**BODY, "stream": stream})
+    assert resp.status_code == 200
+    if stream:
+        assert '" world"' in resp.text and "error" not in resp.text
+    else:
+        assert resp.json()["choices"][0]["text"] == "Hello world!"
+    assert "kv_transfer_params" in d.decodes[0].body
+    assert "kv_transfer_params" not in d.decodes[1].body
+    assert len(d.decodes) == 2  # one extra attempt, not more
+    assert router.metric("pdgate_fallbacks_total", {"reason": "decode_retry"}) == 1
+
+
+async def test_only_decode_engine_gets_one_retry_on_itself_for_a_changed_body_only(
+    make_engine: MakeEngine, start_router: StartRouter
+) -> None:
+    """A D that fails every decode: one retry without the KV params, then a 502; a plain
+    (decode-only) request gets no second try on the same D."""
+    p, d = await make_engine(), await make_engine(fail_status=500)
+    router = await start_router([p], [d], max_retries=3, eject_consecutive_errors=100)
+    assert (await router.client.post(COMPLETIONS, json=BODY)).status_code == 502
+    assert len(d.decodes) == 2
+    direct = await start_router([p], [d], disagg_min_tokens=10_000,
+                                eject_consecutive_errors=100)
+    assert (await direct.client.post(COMPLETIONS, json=BODY)).status_code == 502
+    assert len(d.decodes) == 3
+    # Two Ds: the recompute body already ran (and failed) on D1, so neither gets another try.
+    d1 = await make_engine(fail_status=500)
+    two = await start_router([p], [d, d1], max_retries=3, eject_consecutive_errors=100)
+    assert (await two.client.post(COMPLETIONS, json=BODY)).status_code == 502
+    assert len(d.decodes) + len(d1.decodes) == 5

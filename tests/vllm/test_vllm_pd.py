@@ -184,12 +184,15 @@ async def _fake_prefill(engine_id: str, dead_port: int) -> tuple[Any, str]:
 
 
 async def test_decode_failure_is_a_clean_502(vllm_cluster: VllmCluster) -> None:
+    """Without retries (`--max-retries 0`) D's failure to load the KV reaches the client as
+    a 502; with the default (1) D recomputes the prompt on the retry (next test)."""
     from tests.vllm.processes import free_port
 
     runner, fake_p = await _fake_prefill("no-such-engine-" + uuid.uuid4().hex, free_port())
     try:
         router = await asyncio.to_thread(
-            vllm_cluster.start_router, "router-bad-prefill", [fake_p], [vllm_cluster.d.url])
+            vllm_cluster.start_router, "router-bad-prefill", [fake_p], [vllm_cluster.d.url],
+            ["--max-retries", "0"])
         with pytest.raises(openai.APIStatusError) as err:
             await acomplete(router.url, "Hello", 4)
         assert err.value.status_code == 502
@@ -209,6 +212,25 @@ async def test_decode_failure_is_a_clean_502(vllm_cluster: VllmCluster) -> None:
     # D survived the bad params: the main router still serves through it.
     done = await acomplete(vllm_cluster.router.url, "Hello again", 4)
     assert done.usage is not None and done.usage.completion_tokens == 4
+
+
+async def test_only_decode_engine_recomputes_when_it_cannot_load_the_kv(
+        vllm_cluster: VllmCluster) -> None:
+    """D cannot read the KV (its P is gone): with no other D the router retries on the same
+    D without the params, D computes the prompt itself and the client gets the right text."""
+    from tests.vllm.processes import free_port
+
+    c = vllm_cluster
+    runner, fake_p = await _fake_prefill("gone-engine-" + uuid.uuid4().hex, free_port())
+    try:
+        router = await asyncio.to_thread(c.start_router, "router-gone-prefill", [fake_p],
+                                         [c.d.url])
+        prompt = unique_prompt(20)
+        done = await acomplete(router.url, prompt, 8)
+        assert done.choices[0].text == (await acomplete(c.ref.url, prompt, 8)).choices[0].text
+        assert metric(router.url, "pdgate_fallbacks_total", 'reason="decode_retry"') == 1
+    finally:
+        await runner.cleanup()
 
 
 def test_push_mode_router_falls_back_to_pull_with_vllm(vllm_cluster: VllmCluster) -> None:

@@ -11,6 +11,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -19,7 +20,13 @@ from openai.types import Completion
 from tests.e2e.cluster import metric
 from tests.vllm.conftest import ENGINE_START_TIMEOUT_S, VllmCluster
 from tests.vllm.processes import Proc, _spawn, start_vllm, vllm_env, wait_ready
-from tests.vllm.test_vllm_pd import IGNORE_EOS, acomplete, async_client, unique_prompt
+from tests.vllm.test_vllm_pd import (
+    IGNORE_EOS,
+    acomplete,
+    async_client,
+    kv_sources,
+    unique_prompt,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -34,17 +41,22 @@ ROUTER_ARGS = [
 
 
 @pytest.fixture(scope="module")
-def p2(vllm_cluster: VllmCluster) -> Iterator[Proc]:
-    """A second vLLM prefill engine owned by this module (stopped at its end)."""
-    proc = start_vllm(vllm_cluster.python, vllm_cluster.model_dir, "P2",
-                      vllm_cluster.log_dir, core=P2_CORE)
-    holder = [proc]
+def p2_runs(vllm_cluster: VllmCluster) -> Iterator[list[Proc]]:
+    """This module's second vLLM prefill engine: every run of it, the live one last
+    (a restart appends). All are stopped at the module's end."""
+    runs = [start_vllm(vllm_cluster.python, vllm_cluster.model_dir, "P2",
+                       vllm_cluster.log_dir, core=P2_CORE)]
     try:
-        wait_ready([proc], "/health", ENGINE_START_TIMEOUT_S)
-        yield proc
+        wait_ready(runs, "/health", ENGINE_START_TIMEOUT_S)
+        yield runs
     finally:
-        holder[-1].stop()
-        proc.stop()
+        for proc in runs:
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def p2(p2_runs: list[Proc]) -> Proc:
+    return p2_runs[0]
 
 
 @pytest.fixture(scope="module")
@@ -118,3 +130,42 @@ async def test_prefill_engine_killed_mid_load(vllm_cluster: VllmCluster, p2: Pro
     assert httpx.get(router.url + "/ready", timeout=5).status_code == 200
     after = [await _routed(router.url, unique_prompt(25)) for _ in range(3)]
     assert [a[0] for a in after] == [c.p.url] * 3
+
+
+def _restart(dead: Proc, log_dir: Path) -> Proc:
+    """The same engine again (same argv: HTTP port; same env: NIXL side-channel port),
+    with a fresh NIXL agent, logging to its own file."""
+    env = vllm_env(P2_CORE, dead.extra["side_channel_port"])
+    proc = _spawn(f"{dead.name}-restarted", list(dead.popen.args), env, log_dir, dead.url)
+    proc.extra = dict(dead.extra)
+    return proc
+
+
+async def test_killed_prefill_engine_restarts_on_same_ports(
+        vllm_cluster: VllmCluster, p2_runs: list[Proc], router: Proc) -> None:
+    """The router takes the restarted engine back (health checks, breaker half-open) and
+    D reads KV from its new NIXL agent (a new handshake on the same side-channel port)."""
+    c = vllm_cluster
+    dead = p2_runs[-1]
+    if dead.alive():  # run alone: kill it here
+        _kill_group(dead)
+    p2_runs.append(_restart(dead, c.log_dir))
+    wait_ready(p2_runs[-1:], "/health", ENGINE_START_TIMEOUT_S)
+    served: list[str] = []
+    external0, local0 = kv_sources(c.d.url)
+    prompt_tokens = 0
+    for _ in range(20):  # the router notices within a health interval or two
+        prompt = unique_prompt(30)
+        engine, done = await _routed(router.url, prompt)
+        served.append(engine)
+        assert done.usage is not None
+        prompt_tokens += done.usage.prompt_tokens
+        assert done.choices[0].text == (await acomplete(c.ref.url, prompt, MAX_TOKENS)
+                                        ).choices[0].text
+        if served.count(dead.url) >= 2:
+            break
+        await asyncio.sleep(0.5)
+    assert served.count(dead.url) >= 2, served
+    external1, local1 = kv_sources(c.d.url)
+    assert external1 - external0 == prompt_tokens  # every prompt's KV read, none recomputed
+    assert local1 == local0

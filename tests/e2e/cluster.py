@@ -28,9 +28,13 @@ def _ports_free(base: int, count: int) -> bool:
 
 
 def device_args() -> list[str]:
-    """`PDGATE_TEST_DEVICE=cuda` runs the same end-to-end tests with CUDA engines (VRAM KV)."""
+    """`PDGATE_TEST_DEVICE=cuda` runs the same end-to-end tests with CUDA engines (VRAM KV);
+    `PDGATE_TEST_DECODE_DEVICE=cuda:1` puts the decode engines on another GPU."""
     device = os.environ.get("PDGATE_TEST_DEVICE")
-    return ["--device", device] if device else []
+    args = ["--device", device] if device else []
+    if decode_device := os.environ.get("PDGATE_TEST_DECODE_DEVICE"):
+        args.append(f"--decode-engine-arg=--device={decode_device}")
+    return args
 
 
 def free_port_range(count: int) -> int:

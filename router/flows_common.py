@@ -34,7 +34,7 @@ from router.schema import ClientRequest
 from router.sse import UsageRewriter
 
 __all__ = ["Aborter", "ChunkSource", "FlowMetrics", "KVInfoCache", "PrefillLeg",
-           "decode_leg_body", "prefill_leg_body", "relay", "rewrite_reply_usage"]
+           "decode_leg_body", "prefill_leg_body", "relay", "relay_chunks", "rewrite_reply_usage"]
 
 log = logging.getLogger(__name__)
 _json_encode = msgspec.json.Encoder().encode
@@ -215,9 +215,19 @@ async def relay(stream: ChunkSource, prefill: PrefillLeg | None, metrics: Router
             rewrite_usage(usage, p_usage)
 
     rewriter = UsageRewriter(fix) if rewrite else None
+    async for out in relay_chunks(stream.chunks(), rewriter, metrics, t0, mode):
+        yield out
+
+
+async def relay_chunks(chunks: AsyncIterator[bytes], rewriter: UsageRewriter | None,
+                       metrics: RouterMetrics, t0: float, mode: str
+                       ) -> AsyncGenerator[bytes, None]:
+    """The one relay loop of every flow: bytes out as they arrive, TTFT and inter-token
+    latency observed, usage chunks rewritten (line-buffered) when `rewriter` is given, and a
+    failure mid-stream turned into an SSE error event plus [DONE]."""
     last = 0.0
     try:
-        async for chunk in stream.chunks():
+        async for chunk in chunks:
             now = time.perf_counter()
             if last:
                 metrics.inter_token_latency.observe(now - last)

@@ -39,8 +39,8 @@ from router.errors import (
     EngineUnavailable,
     NoEndpointAvailable,
     RouterError,
-    error_json,
 )
+from router.flows_common import relay_chunks
 from router.health import backoff_s
 from router.metrics import RouterMetrics
 from router.policies import PickContext, Selector, choose
@@ -264,23 +264,8 @@ class Orchestrator:
         """D's SSE bytes as they arrive; only usage chunks are rewritten (line-buffered).
         An engine failure mid-stream ends the stream with an SSE error event and [DONE]."""
         rewriter = UsageRewriter(lambda u: rewrite_usage(u, usage)) if usage else None
-        last = 0.0
-        try:
-            async for chunk in stream.chunks():
-                now = time.perf_counter()
-                if last:
-                    self.metrics.inter_token_latency.observe(now - last)
-                else:
-                    self.metrics.child(self.metrics.ttft, mode).observe(now - t0)
-                last = now
-                out = rewriter.feed(chunk) if rewriter else chunk
-                if out:
-                    yield out
-            if rewriter and (tail := rewriter.flush()):
-                yield tail
-        except RouterError as exc:
-            log.warning("decode stream failed mid-response: %s", exc.message)
-            yield b"data: " + error_json(exc) + b"\n\n" + _DONE
+        async for out in relay_chunks(stream.chunks(), rewriter, self.metrics, t0, mode):
+            yield out
 
     async def _with_retry(
         self, role: Role, req: ClientRequest, call: Callable[[Endpoint], Awaitable[T]],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import signal
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -158,3 +160,45 @@ def metric(url: str, name: str, labels: str = "") -> float:
             if head.split("{", 1)[0] == name:
                 total += float(line.rsplit(" ", 1)[1])
     return total
+
+
+async def burst(c: Cluster, prompts: list[str], *, full: int, abandoned: int,
+                first_max_tokens: int, extra: dict[str, object] | None = None) -> None:
+    """`full` complete requests plus `abandoned` streams the client walks away from after
+    the first event, all at once through the router."""
+    async with httpx.AsyncClient(base_url=c.router, timeout=120) as client:
+        async def complete(i: int) -> None:
+            r = await client.post("/v1/completions", json={
+                "model": "tiny", "prompt": prompts[i % len(prompts)],
+                "max_tokens": first_max_tokens + i, **(extra or {})})
+            assert r.status_code == 200, r.text
+
+        async def walk_away(i: int) -> None:
+            body = {"model": "tiny", "prompt": prompts[i % len(prompts)], "max_tokens": 200,
+                    "stream": True, "ignore_eos": True}
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if line.startswith("data:"):
+                        break  # the client walks away mid-stream
+
+        await asyncio.gather(*(complete(i) for i in range(full)),
+                             *(walk_away(i) for i in range(abandoned)))
+
+
+def pool_states(c: Cluster) -> list[tuple[float, float, float]]:
+    """(free, total, leased) KV blocks of every engine, from their metrics."""
+    return [(metric(u, "pdgate_shim_kv_blocks_free"), metric(u, "pdgate_shim_kv_blocks_total"),
+             metric(u, "pdgate_shim_kv_blocks_leased")) for u in c.prefill + c.decode]
+
+
+def wait_pools_full(c: Cluster, timeout: float = 30.0) -> None:
+    """Every engine's block pool back to fully free with nothing leased, or the test fails."""
+    deadline = time.monotonic() + timeout
+    states: list[tuple[float, float, float]] = []
+    while time.monotonic() < deadline:
+        states = pool_states(c)
+        if all(free == total and leased == 0 for free, total, leased in states):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"block pools not back to full: {states}\n{c.logs()}")

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from engine_shim.kv_layout import LAYOUTS
-from tests.e2e.cluster import Cluster, metric, start_cluster
+from tests.e2e.cluster import Cluster, burst, metric, start_cluster, wait_pools_full
 
 pytestmark = pytest.mark.slow
 
@@ -145,42 +145,12 @@ def test_staging_copies_are_measured_on_both_sides(running: Running) -> None:
         assert to_host == to_device == 0
 
 
-async def _burst(c: Cluster) -> None:
-    async with httpx.AsyncClient(base_url=c.router, timeout=120) as client:
-        async def full(i: int) -> None:
-            r = await client.post("/v1/completions", json={
-                "model": "tiny", "prompt": PROMPTS[i % 3], "max_tokens": 4 + i,
-                "temperature": 0})
-            assert r.status_code == 200, r.text
-
-        async def abandoned(i: int) -> None:
-            body = {"model": "tiny", "prompt": PROMPTS[i % 3], "max_tokens": 200,
-                    "stream": True, "ignore_eos": True}
-            async with client.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data:"):
-                        break  # the client walks away mid-stream
-
-        await asyncio.gather(*(full(i) for i in range(6)), *(abandoned(i) for i in range(3)))
-
-
 def test_block_pools_return_to_full_after_a_burst(running: Running) -> None:
     c = running.cluster
-    asyncio.run(_burst(c))
-    engines = c.prefill + c.decode
-    deadline = time.monotonic() + 30
-    states: list[tuple[float, float, float]] = []
-    while time.monotonic() < deadline:
-        states = [(metric(u, "pdgate_shim_kv_blocks_free"),
-                   metric(u, "pdgate_shim_kv_blocks_total"),
-                   metric(u, "pdgate_shim_kv_blocks_leased")) for u in engines]
-        if all(free == total and leased == 0 for free, total, leased in states):
-            break
-        time.sleep(0.5)
-    else:
-        pytest.fail(f"block pools not back to full: {states}\n{c.logs()}")
+    asyncio.run(burst(c, PROMPTS, full=6, abandoned=3, first_max_tokens=4,
+                      extra={"temperature": 0}))
+    wait_pools_full(c)
     # Nothing fell back to recomputing the prompt: every transfer (and copy) succeeded.
-    for url in engines:
+    for url in c.prefill + c.decode:
         assert metric(url, "pdgate_shim_requests_total", 'status="recompute"') == 0, c.logs()
     assert metric(c.router, "pdgate_fallbacks_total") == 0

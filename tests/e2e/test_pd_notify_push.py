@@ -16,7 +16,14 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster, child_pids, metric, start_cluster
+from tests.e2e.cluster import (
+    Cluster,
+    burst,
+    child_pids,
+    metric,
+    start_cluster,
+    wait_pools_full,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -101,43 +108,10 @@ def test_chat_stream_equals_non_stream_and_bills_the_prompt(cluster: Cluster) ->
     assert usage["prompt_tokens"] == whole["usage"]["prompt_tokens"] > 0
 
 
-async def _burst(c: Cluster) -> None:
-    async with httpx.AsyncClient(base_url=c.router, timeout=120) as client:
-        async def full(i: int) -> None:
-            r = await client.post("/v1/completions", json={
-                "model": "tiny", "prompt": PROMPTS[i % 3], "max_tokens": 8 + i,
-                "temperature": 0})
-            assert r.status_code == 200, r.text
-
-        async def abandoned(i: int) -> None:
-            body = {"model": "tiny", "prompt": PROMPTS[i % 3], "max_tokens": 200,
-                    "stream": True, "ignore_eos": True}
-            async with client.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data:"):
-                        break  # the client walks away mid-stream
-
-        await asyncio.gather(*(full(i) for i in range(10)), *(abandoned(i) for i in range(6)))
-
-
-def _wait_pools_full(c: Cluster, timeout: float = 30.0) -> None:
-    engines = c.prefill + c.decode
-    deadline = time.monotonic() + timeout
-    states: list[tuple[float, float, float]] = []
-    while time.monotonic() < deadline:
-        states = [(metric(u, "pdgate_shim_kv_blocks_free"),
-                   metric(u, "pdgate_shim_kv_blocks_total"),
-                   metric(u, "pdgate_shim_kv_blocks_leased")) for u in engines]
-        if all(free == total and leased == 0 for free, total, leased in states):
-            return
-        time.sleep(0.5)
-    pytest.fail(f"block pools not back to full: {states}\n{c.logs()}")
-
-
 def test_block_pools_return_to_full_after_burst(cluster: Cluster) -> None:
-    asyncio.run(_burst(cluster))
-    _wait_pools_full(cluster)
+    asyncio.run(burst(cluster, PROMPTS, full=10, abandoned=6, first_max_tokens=8,
+                      extra={"temperature": 0}))
+    wait_pools_full(cluster)
     assert metric(cluster.router, "pdgate_fallbacks_total") == 0
     if cluster.mode == "notify":  # type: ignore[attr-defined]
         assert metric(cluster.router, "pdgate_proxy_messages_total",
@@ -183,7 +157,7 @@ def test_notify_without_kv_ready_fails_by_the_deadline_and_leaks_nothing(
     assert "KV-ready" in r.json()["error"]["message"]
     assert 2.5 < waited < 10
     # P wakes up after the deadline: it must not write into D's released blocks.
-    _wait_pools_full(c)
+    wait_pools_full(c)
     assert metric(c.prefill[0], "pdgate_shim_kv_transfer_bytes_total", 'op="write"') == 0
     assert metric(c.router, "pdgate_proxy_waiters") == 0
     ok = _complete(c.router, PROMPTS[0], max_tokens=4)  # and the cluster still serves

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster, metric, start_cluster
+from tests.e2e.cluster import Cluster, burst, metric, start_cluster, wait_pools_full
 
 pytestmark = pytest.mark.slow
 
@@ -93,38 +93,9 @@ def test_transferred_kv_bytes_equal_prefill_bytes(cluster: Cluster) -> None:
     assert d["bytes"] > 0 and p["digest"] and p["digest"] == d["digest"]
 
 
-async def _burst(cluster: Cluster) -> None:
-    async with httpx.AsyncClient(base_url=cluster.router, timeout=120) as client:
-        async def full(i: int) -> None:
-            r = await client.post("/v1/completions", json={
-                "model": "tiny", "prompt": PROMPTS[i % 3], "max_tokens": 8 + i})
-            assert r.status_code == 200, r.text
-
-        async def abandoned(i: int) -> None:
-            body = {"model": "tiny", "prompt": PROMPTS[i % 3], "max_tokens": 200,
-                    "stream": True, "ignore_eos": True}
-            async with client.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data:"):
-                        break  # client walks away mid-stream
-
-        await asyncio.gather(*(full(i) for i in range(10)),
-                             *(abandoned(i) for i in range(6)))
-
-
 def test_block_pools_return_to_free_after_burst(cluster: Cluster) -> None:
-    asyncio.run(_burst(cluster))
-    deadline = time.monotonic() + 30
-    engines = cluster.prefill + cluster.decode
-    while time.monotonic() < deadline:
-        states = [(metric(u, "pdgate_shim_kv_blocks_free"),
-                   metric(u, "pdgate_shim_kv_blocks_total"),
-                   metric(u, "pdgate_shim_kv_blocks_leased")) for u in engines]
-        if all(free == total and leased == 0 for free, total, leased in states):
-            return
-        time.sleep(0.5)
-    pytest.fail(f"block pools not back to free: {states}")
+    asyncio.run(burst(cluster, PROMPTS, full=10, abandoned=6, first_max_tokens=8))
+    wait_pools_full(cluster)
 
 
 def test_sample_request_and_clean_shutdown(tiny_model_dir: Path, tmp_path: Path) -> None:

@@ -298,7 +298,8 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
 
     Prefill role: `do_remote_decode=true` (the rest null). Decode role: `do_remote_prefill=
     true` plus where P's blocks are (`remote_engine_id`, `remote_block_ids`, `remote_host`,
-    `remote_port`, `remote_request_id`, `tp_size`)."""
+    `remote_port`, `remote_request_id`, `tp_size`); pdgate's notify and push decode legs
+    name less (see `_DECODE_REQUIRES`)."""
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
@@ -308,6 +309,17 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     remote_port: int | None = None
     remote_request_id: str | None = None
     tp_size: int | None = None
+    pdgate_mode: str | None = None  # "notify" | "push" (engine_shim/push.py); None = pull
+
+
+# What a decode leg must name, per flow: pull reads P's blocks; push registers D's own blocks
+# with P's side channel; notify finds the KV already in the blocks it reserved.
+_DECODE_REQUIRES: dict[str | None, tuple[str, ...]] = {
+    None: ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port"),
+    "pull": ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port"),
+    "push": ("remote_engine_id", "remote_host", "remote_port"),
+    "notify": (),
+}
 
 
 def kv_transfer_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
@@ -326,8 +338,11 @@ def kv_transfer_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
             param="kv_transfer_params",
         )
     if params.do_remote_prefill:
-        missing = [name for name in ("remote_engine_id", "remote_block_ids", "remote_host",
-                                     "remote_port") if getattr(params, name) is None]
+        required = _DECODE_REQUIRES.get(params.pdgate_mode)
+        if required is None:
+            raise RequestError(f"kv_transfer_params.pdgate_mode {params.pdgate_mode!r} is not "
+                               "one of pull, push, notify", param="kv_transfer_params.pdgate_mode")
+        missing = [name for name in required if getattr(params, name) is None]
         if missing:
             raise RequestError(
                 f"kv_transfer_params with do_remote_prefill needs {', '.join(missing)}",

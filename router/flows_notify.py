@@ -111,12 +111,8 @@ class NotifyFlow:
             return self._failed(req, leg, p_ep, d_ep, exc)
         self.metrics.kv_wait.labels(MODE).observe(time.perf_counter() - leg.t0)
         o.metrics.prefill_duration.observe(time.perf_counter() - leg.t0)
-        # The remote_* fields name where the KV now is (D's own reserved blocks): a shim
-        # requires them on every do_remote_prefill request.
         return _Leg(leg, {"pdgate_mode": MODE, "reservation_id": slot["reservation_id"],
-                          "num_tokens": n, "remote_engine_id": slot["engine_id"],
-                          "remote_block_ids": slot["block_ids"], "remote_host": slot["host"],
-                          "remote_port": slot["port"]})
+                          "num_tokens": n})
 
     def _failed(self, req: ClientRequest, leg: PrefillLeg, p_ep: Endpoint, d_ep: Endpoint,
                 exc: BaseException) -> _Leg:

@@ -76,7 +76,6 @@ class PushFlow:
             "pdgate_mode": MODE, "remote_engine_id": info["engine_id"],
             "remote_host": info["host"], "remote_port": info["port"],
             "remote_agent_name": info.get("agent_name"), "num_tokens": n,
-            "remote_block_ids": [],  # D's own blocks get the KV; the field is required
         })
         leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, p_body)
         req.served_by["decode"] = d_ep.url

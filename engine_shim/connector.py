@@ -213,6 +213,7 @@ class KVConnector:
             raise KVConnectorError("KV connector is closed")
         lease = self._leases.add(request_id, block_ids)
         self._metrics.blocks_leased.set(self._leases.blocks)
+        self._thread.wake()  # the reader's READ needs our UCX progress soon
         return hold_params(
             engine_id=self.engine_id, request_id=lease.lease_id, block_ids=block_ids,
             host=self._host, port=self.side_channel_port, agent_name=self.agent_name,
@@ -434,6 +435,8 @@ class KVConnector:
             match = self._pushes.offer(request_id, block_ids, num_tokens, params)
             if match is not None:
                 self._spawn_write(match)
+            else:
+                self._thread.wake()  # D's registration is coming: poll for it
         return {"pdgate_mode": mode, "do_remote_prefill": False, "do_remote_decode": False,
                 "remote_engine_id": self.engine_id, "num_tokens": num_tokens}
 
@@ -549,8 +552,13 @@ class KVConnector:
         return bool(self._expected)
 
     def expect_landing(self, tag: str) -> None:
-        """D: a WRITE tagged `tag` is coming (keep UCX progressing for it)."""
-        self._landing(tag)
+        """D: a WRITE tagged `tag` is coming (keep UCX progressing for it, fast: the WRITE
+        and its notice need our progress to complete)."""
+        fut = self._landing(tag)
+        with self._landings_lock:
+            if not fut.done():
+                self._expected.add(tag)
+        self._thread.wake()
 
     def _await_starts(self, tag: str) -> Future[None]:
         fut = self._landing(tag)

@@ -447,8 +447,7 @@ class Engine:
             self._mark_transferred(seq, len(local), "decode-push")
 
     def _mark_transferred(self, seq: Sequence, blocks: int, role: str) -> None:
-        # The last prompt token is always recomputed: its logits give the first new token.
-        seq.num_computed = min(blocks * self.block_size, seq.num_prompt - 1)
+        seq.num_computed = _reusable(seq, blocks * self.block_size)
         seq.num_cached_tokens = seq.num_computed
         layout = self.kv.layout
         self._log_transfer(seq.req.request_id, role, seq.block_ids[:blocks],
@@ -507,10 +506,9 @@ class Engine:
                         seq.req.request_id, type(e).__name__, e)
             self._kv_load_failed(seq)
             return
-        # The last prompt token is always recomputed: its logits give the first new token.
         layout = self.kv.layout
         received = nbytes // (2 * layout.num_layers * layout.token_bytes)
-        seq.num_computed = min(received, n - 1)
+        seq.num_computed = _reusable(seq, received)
         seq.num_cached_tokens = seq.num_computed
         self._log_transfer(seq.req.request_id, "decode", local, nbytes, num_tokens=n)
 
@@ -532,7 +530,13 @@ class Engine:
         if seq.req.role is not KVRole.PREFILL or seq.finish_reason != "length":
             return final
         params = self._hand_over(seq)
-        return final if params is None else dataclasses.replace(final, kv_transfer_params=params)
+        if params is None:
+            return final
+        if mode_of(seq.req.remote) is not None:
+            # pdgate flows: the router may stream P's token at once and have D continue
+            # after it (`first_token_ids` of the decode leg).
+            params = {**params, "first_token_ids": seq.token_ids[seq.num_prompt:]}
+        return dataclasses.replace(final, kv_transfer_params=params)
 
     def _hand_over(self, seq: Sequence) -> dict[str, Any] | None:
         """Give the prompt's blocks to the connector's lease; the params for the reply."""
@@ -620,6 +624,13 @@ class RequestStream:
                 raise item
             self._done = item.finish_reason is not None
             yield item
+
+
+def _reusable(seq: Sequence, received_tokens: int) -> int:
+    """How many of `seq`'s tokens the transferred KV lets the model skip. The last known
+    token is always computed: its logits give the next token (with `first_token_ids`, that
+    is P's token, so the whole prompt's KV is used)."""
+    return max(0, min(received_tokens, seq.num_prompt, len(seq.token_ids) - 1))
 
 
 def _max_model_len(config: EngineConfig, model: LlamaModel) -> int:

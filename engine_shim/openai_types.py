@@ -310,6 +310,8 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     remote_request_id: str | None = None
     tp_size: int | None = None
     pdgate_mode: str | None = None  # "notify" | "push" (engine_shim/push.py); None = pull
+    # Tokens P sampled that the client already has: this decode continues after them.
+    first_token_ids: list[int] | None = None
 
 
 # What a decode leg must name, per flow: pull reads P's blocks; push registers D's own blocks
@@ -324,14 +326,9 @@ _DECODE_REQUIRES: dict[str | None, tuple[str, ...]] = {
 
 def kv_transfer_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
     """Type-check `kv_transfer_params`; None when absent or asking for neither role."""
-    if raw is None:
+    params = _convert_kv_params(raw)
+    if params is None:
         return None
-    try:
-        params = msgspec.convert(raw, KVTransferParams)
-    except msgspec.ValidationError as e:
-        match = re.search(r"at `\$\.([A-Za-z_]+)", str(e))
-        field = f"kv_transfer_params.{match.group(1)}" if match else "kv_transfer_params"
-        raise RequestError(f"invalid kv_transfer_params: {e}", param=field) from e
     if params.do_remote_decode and params.do_remote_prefill:
         raise RequestError(
             "kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive",
@@ -354,3 +351,32 @@ def kv_transfer_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
     if not (params.do_remote_decode or params.do_remote_prefill):
         return None
     return params
+
+
+def first_token_ids(raw: dict[str, Any] | None, vocab_size: int, budget: int) -> tuple[int, ...]:
+    """`kv_transfer_params.first_token_ids` (any role, also without a transfer): tokens
+    already generated and delivered; at least one token must be left to generate."""
+    params = _convert_kv_params(raw)
+    ids = tuple(params.first_token_ids or ()) if params is not None else ()
+    if ids and params is not None and params.do_remote_decode:
+        raise RequestError("kv_transfer_params.first_token_ids is for the decode leg",
+                           param="kv_transfer_params.first_token_ids")
+    if len(ids) >= budget:
+        raise RequestError(f"kv_transfer_params.first_token_ids: {len(ids)} tokens leave none "
+                           f"of max_tokens={budget} to generate",
+                           param="kv_transfer_params.first_token_ids")
+    if any(not 0 <= t < vocab_size for t in ids):
+        raise RequestError(f"kv_transfer_params.first_token_ids out of range [0, {vocab_size})",
+                           param="kv_transfer_params.first_token_ids")
+    return ids
+
+
+def _convert_kv_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
+    if raw is None:
+        return None
+    try:
+        return msgspec.convert(raw, KVTransferParams)
+    except msgspec.ValidationError as e:
+        match = re.search(r"at `\$\.([A-Za-z_]+)", str(e))
+        field = f"kv_transfer_params.{match.group(1)}" if match else "kv_transfer_params"
+        raise RequestError(f"invalid kv_transfer_params: {e}", param=field) from e

@@ -74,7 +74,9 @@ class GenerateRequest:
     and are cut from the text; `stop_token_ids` end it too. `min_tokens` suppresses EOS,
     stop ids and stop strings until that many tokens exist. `remote` holds the parsed
     `kv_transfer_params` of a DECODE-role request (opaque to the engine, given to the
-    connector's `pull`)."""
+    connector's `pull`). `first_token_ids` continue a generation begun elsewhere: tokens the
+    prefill engine sampled and the client already has; they count as output (max_tokens,
+    usage) but their text is not sent again."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -87,6 +89,7 @@ class GenerateRequest:
     role: KVRole = KVRole.NONE
     remote: Any = None
     remote_block_ids: tuple[int, ...] = ()
+    first_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,12 @@ class Sequence:
     def __post_init__(self) -> None:
         self.token_ids = list(self.req.prompt_ids)
         self.sampler = Sampler(self.req.sampling)
+        for token in self.req.first_token_ids:
+            # Through the detokenizer so later text continues exactly where the client's
+            # copy of these tokens ends (a split character included).
+            self.token_ids.append(token)
+            self._text += self.detok.push(token)
+        self._emitted = len(self._text)
 
     @property
     def num_prompt(self) -> int:

@@ -181,7 +181,8 @@ async def _serve(
     headers = {"X-Request-Id": gen.request_id}
     if req.stream:
         return _ClosingStreamingResponse(
-            stream, _sse_events(stream, head, chat), media_type="text/event-stream",
+            stream, _sse_events(stream, head, chat, bool(gen.first_token_ids)),
+            media_type="text/event-stream",
             headers=headers,
         )
     result = await _collect_unless_disconnected(request, stream)
@@ -225,6 +226,8 @@ def _generate_request(
         role=role,
         remote=req.kv_transfer_params if role is not KVRole.NONE else None,
         remote_block_ids=tuple(params.remote_block_ids or []) if params else (),
+        first_token_ids=ot.first_token_ids(req.kv_transfer_params,
+                                           engine.model.config.vocab_size, budget),
     )
     return gen, req.model or names[0]
 
@@ -263,11 +266,11 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 async def _sse_events(
-    stream: RequestStream, head: ot.ReplyHead, chat: bool
+    stream: RequestStream, head: ot.ReplyHead, chat: bool, resumed: bool
 ) -> AsyncIterator[bytes]:
     final: StepOutput | None = None
     async with stream:
-        if chat:
+        if chat and not resumed:  # a continuation's client had the role delta from P's token
             yield ot.sse(head.chunk(chat, [ot.stream_choice(chat, None, first=True)]))
         try:
             async for out in stream:

@@ -50,6 +50,7 @@ class FlowMetrics:
 
     kv_wait: Histogram  # mode: prefill dispatched -> KV ready (notify) / first decode byte
     flow_failures: Counter  # mode, reason
+    early_tokens: Counter  # result: streams opened with P's token (notify), and how D went on
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> FlowMetrics:
@@ -62,6 +63,12 @@ class FlowMetrics:
             flow_failures=Counter(
                 "pdgate_pd_flow_failures", "Notify/push flows that failed, by reason",
                 ["mode", "reason"], registry=registry,
+            ),
+            early_tokens=Counter(
+                "pdgate_early_first_tokens",
+                "Notify-mode streams that sent the prefill engine's token first, by how the "
+                "decode engine went on (kv: with the written KV; recompute: the KV was lost)",
+                ["result"], registry=registry,
             ),
         )
 
@@ -116,6 +123,12 @@ class PrefillLeg:
         if not self.task.done() or self.task.cancelled():
             return None
         return self.task.exception()
+
+    def reply(self) -> dict[str, Any] | None:
+        """P's reply once it succeeded, else None."""
+        if not self.task.done() or self.task.cancelled() or self.task.exception():
+            return None
+        return self.task.result()
 
     def kv_params(self) -> Any | None:
         """P's reply `kv_transfer_params` once it succeeded, else None."""

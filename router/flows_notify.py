@@ -20,11 +20,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
 
 from proxy import KVReadyTimeout, KVTransferFailed, NotifyServer, WaitCancelled, WaiterTable
+from router.early_token import eligible, first_token_ids, head_chunks
 from router.errors import EngineError, EngineRejected, EngineTimeout, RouterError
 from router.flows_common import (
     Aborter,
@@ -45,18 +47,21 @@ __all__ = ["NotifyFlow"]
 log = logging.getLogger(__name__)
 _json_encode = msgspec.json.Encoder().encode
 MODE = "notify"
+_REPLY_AFTER_KV_S = 1.0  # P's reply trails its KV-ready notice by ~ms; past this, plain flow
 
 
 class NotifyFlow:
     """Runs disaggregated requests in notify mode. Built once per app, in the lifespan."""
 
     def __init__(self, orch: Orchestrator, proxy: NotifyServer, metrics: FlowMetrics,
-                 aborter: Aborter, kv_ready_timeout_s: float) -> None:
+                 aborter: Aborter, kv_ready_timeout_s: float, *,
+                 early_first_token: bool = True) -> None:
         self.orch = orch
         self.proxy = proxy
         self.metrics = metrics
         self.aborter = aborter
         self.timeout = kv_ready_timeout_s
+        self.early_first_token = early_first_token
 
     async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult | None:
         """Serve `req`; None means "not possible here, run the pull flow" (D cannot reserve)."""
@@ -72,8 +77,12 @@ class NotifyFlow:
             o.metrics.fallbacks.labels("no_reserve").inc()
             return None
         p_ep = await choose(o.pool, "prefill", o.policies["prefill"], ctx)
-        kv = await self._prefill_and_wait(req, p_ep, d_ep, slot, num_tokens)
+        leg = self._dispatch(req, p_ep, slot, num_tokens)
+        wait = self._wait_kv(req, leg, p_ep, d_ep, slot, num_tokens)
         req.served_by["decode"] = d_ep.url
+        if req.stream and self.early_first_token and eligible(req):
+            return await self._stream_early(req, d_ep, leg, asyncio.ensure_future(wait), t0)
+        kv = await wait
         if req.stream:
             return await self._open_decode(req, d_ep, kv, t0)
         return await self._run_decode(req, d_ep, kv, t0)
@@ -84,9 +93,9 @@ class NotifyFlow:
             return await self.orch.engines.post_json(d_ep.url, "/v1/kv/reserve", body,
                                                      req.engine_headers)
 
-    async def _prefill_and_wait(self, req: ClientRequest, p_ep: Endpoint, d_ep: Endpoint,
-                                slot: dict[str, Any], n: int) -> _Leg:
-        """Dispatch P and wait for KV-ready. Returns how to run the decode leg."""
+    def _dispatch(self, req: ClientRequest, p_ep: Endpoint, slot: dict[str, Any],
+                  n: int) -> PrefillLeg:
+        """Register the KV-ready waiter, then send P the prefill leg naming D's blocks."""
         rid = req.request_id
         waiters = self.proxy.waiters
         waiters.register(rid)  # before P can possibly notify
@@ -104,6 +113,15 @@ class NotifyFlow:
         leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, body)
         # P failing, or answering without pushing (it stopped early), wakes the wait now.
         leg.task.add_done_callback(lambda _t: _cancel_unless_pushed(leg, waiters, rid))
+        return leg
+
+    async def _wait_kv(self, req: ClientRequest, leg: PrefillLeg, p_ep: Endpoint,
+                       d_ep: Endpoint, slot: dict[str, Any], n: int) -> _Leg:
+        """Wait for KV-ready. Returns how to run the decode leg; on failure cleans up both
+        sides and raises (or falls back, see `_failed`)."""
+        rid = req.request_id
+        waiters = self.proxy.waiters
+        o = self.orch
         try:
             await waiters.wait(rid, self.timeout)
         except BaseException as exc:
@@ -176,6 +194,87 @@ class NotifyFlow:
         rewrite = req.wants_usage_chunks and kv.params is not None
         chunks = relay(stream, kv.leg, o.metrics, t0, MODE, rewrite)
         return StreamResult(chunks, stack.close)
+
+
+    async def _stream_early(self, req: ClientRequest, d_ep: Endpoint, leg: PrefillLeg,
+                            wait: asyncio.Future[_Leg], t0: float) -> StreamResult:
+        """Open the client's stream with P's token as soon as P answers, then relay D's
+        continuation (router/early_token.py). P's reply not allowing it (no push, an early
+        stop, an engine without `first_token_ids`): the plain stream."""
+        try:
+            first: set[asyncio.Future[Any]] = {leg.task, wait}
+            await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
+            if not leg.task.done():  # KV-ready came first (or the wait failed: raise)
+                await wait
+                await asyncio.wait({leg.task}, timeout=_REPLY_AFTER_KV_S)
+        except BaseException:
+            wait.cancel()  # frees D's reservation and P's side (`_failed`)
+            raise
+        reply = leg.reply()
+        ids = first_token_ids(reply) if reply is not None else None
+        if reply is None or ids is None:
+            return await self._open_decode(req, d_ep, await wait, t0)
+        head = head_chunks(reply, req.kind == "chat", req.wants_usage_chunks)
+        source = _EarlyStream(self, req, d_ep, head, ids, wait)
+        chunks = relay(source, leg, self.orch.metrics, t0, MODE, req.wants_usage_chunks)
+        return StreamResult(chunks, source.close)
+
+
+class _EarlyStream:
+    """The client's stream in early-token mode: P's token first, then (once KV-ready is in)
+    D's continuation after it. Should the KV never arrive, D recomputes the prompt and still
+    continues after P's token: the client already has it."""
+
+    def __init__(self, flow: NotifyFlow, req: ClientRequest, d_ep: Endpoint, head: bytes,
+                 ids: list[int], wait: asyncio.Future[_Leg]) -> None:
+        self._flow = flow
+        self._req = req
+        self._d_ep = d_ep
+        self._head = head
+        self._ids = ids
+        self._wait = wait
+        self._stack = contextlib.ExitStack()
+        self._claimed = False  # D's reservation is (being) taken by the decode leg
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        if self._head:
+            yield self._head
+        params = await self._decode_params()
+        o, req = self._flow.orch, self._req
+        body = dict(req.body)
+        body["kv_transfer_params"] = params
+        self._stack.enter_context(o.pool.track(self._d_ep))
+        self._claimed = True
+        stream = await o.engines.open_stream(self._d_ep.url, req.path, _json_encode(body),
+                                             req.engine_headers)
+        self._stack.callback(stream.close)
+        async for chunk in stream.chunks():
+            yield chunk
+
+    async def _decode_params(self) -> dict[str, Any]:
+        flow = self._flow
+        try:
+            kv: dict[str, Any] | None = (await self._wait).params
+        except RouterError as exc:  # cleaned up by `_failed`; the client has P's token
+            log.warning("request %s: KV from the prefill engine was lost after its first "
+                        "token was sent (%s); the decode engine recomputes the prompt",
+                        self._req.request_id, exc.message)
+            kv = None
+        if kv is None:
+            flow.metrics.early_tokens.labels("recompute").inc()
+            return {"first_token_ids": self._ids}
+        flow.metrics.early_tokens.labels("kv").inc()
+        return {"do_remote_prefill": True, "do_remote_decode": False, **kv,
+                "first_token_ids": self._ids}
+
+    def close(self) -> None:
+        self._stack.close()
+        if not self._wait.done():
+            self._wait.cancel()  # frees D's reservation and P's side (`_failed`)
+        elif not self._claimed and not self._wait.cancelled() and \
+                self._wait.exception() is None:
+            req = self._req  # KV landed but no decode leg will claim it
+            self._flow.aborter.abort(self._d_ep, req.request_id, req.engine_headers)
 
 
 class _Leg:

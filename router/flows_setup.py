@@ -37,4 +37,5 @@ async def open_pd_flow(
     )
     await proxy.start()
     stack.push_async_callback(proxy.close)
-    return NotifyFlow(orch, proxy, metrics, aborter, config.kv_ready_timeout_s)
+    return NotifyFlow(orch, proxy, metrics, aborter, config.kv_ready_timeout_s,
+                      early_first_token=config.notify_early_token)

@@ -71,6 +71,43 @@ def test_greedy_output_equals_colocated(cluster: Cluster, prompt: str) -> None:
     assert written == n_blocks * LAYERS * 2 * BLOCK_BYTES  # P wrote exactly the prompt
 
 
+def _stream(url: str, prompt: str, max_tokens: int = 24, **extra: object
+            ) -> tuple[str, dict[str, int]]:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            **extra}
+    text, usage = "", {}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                usage = event.get("usage") or usage
+                text += "".join(c["text"] for c in event["choices"])
+    return text, usage
+
+
+# "Hello world" starts with half a character: P's token carries no text of its own.
+@pytest.mark.parametrize("prompt", [*PROMPTS, "Hello world"],
+                         ids=["1-block", "3-blocks", "many-blocks", "split-char"])
+def test_streamed_greedy_output_equals_colocated(cluster: Cluster, prompt: str) -> None:
+    early = 'result="kv"'
+    before = metric(cluster.router, "pdgate_early_first_tokens_total", early)
+    streamed, usage = _stream(cluster.router, prompt)
+    colocated = _complete(cluster.decode[0], prompt)
+    assert streamed == colocated["choices"][0]["text"]
+    assert usage["completion_tokens"] == 24
+    assert usage["prompt_tokens"] == colocated["usage"]["prompt_tokens"]
+    if cluster.mode == "notify":  # type: ignore[attr-defined]
+        # P's token went out first and D continued after it.
+        assert metric(cluster.router, "pdgate_early_first_tokens_total", early) == before + 1
+
+
+def test_sampled_stream_keeps_its_token_budget(cluster: Cluster) -> None:
+    text, usage = _stream(cluster.router, PROMPTS[2], max_tokens=12, temperature=1.0)
+    assert usage["completion_tokens"] == 12 and text
+
+
 def test_decode_received_exactly_the_prefill_bytes(cluster: Cluster) -> None:
     rid = f"digest-{cluster.mode}-{time.monotonic_ns()}"  # type: ignore[attr-defined]
     resp = httpx.post(cluster.router + "/v1/completions", headers={"X-Request-Id": rid},

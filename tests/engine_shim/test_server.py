@@ -719,3 +719,66 @@ async def test_engine_seed_makes_unseeded_sampling_reproducible(tiny_model_dir: 
 
     first, again = await sample_twice(5), await sample_twice(5)
     assert first == again
+
+
+# ---- continuing after tokens sampled elsewhere (notify mode's early first token) ----
+
+
+def test_continuation_after_given_tokens_completes_the_same_generation(
+    shim: Shim, tokenizer: Any, hf_greedy: Any
+) -> None:
+    ids = tokenizer.encode("Numbers: 0 1 2")
+    greedy = hf_greedy(ids, 8)
+    head = tokenizer.decode(greedy[:2], skip_special_tokens=True)
+    assert head and "\ufffd" not in head, "pick a prompt whose first tokens are whole text"
+    whole = complete(shim, ids, max_tokens=8)
+    rest = complete(shim, ids, max_tokens=8, kv_transfer_params={"first_token_ids": greedy[:2]})
+    assert head + rest["choices"][0]["text"] == whole["choices"][0]["text"]
+    assert rest["usage"]["completion_tokens"] == 8  # the given tokens count as output
+    assert rest["choices"][0]["finish_reason"] == "length"
+
+
+def test_continuation_after_a_split_character_sends_that_character(
+    shim: Shim, tokenizer: Any, hf_greedy: Any
+) -> None:
+    ids = tokenizer.encode("Hello world")
+    [t1] = hf_greedy(ids, 1)
+    assert tokenizer.decode([t1]).endswith("\ufffd"), "pick a prompt whose token 1 is split"
+    whole = complete(shim, ids, max_tokens=6)
+    rest = complete(shim, ids, max_tokens=6, kv_transfer_params={"first_token_ids": [t1]})
+    # The client got nothing for token 1 (it was part of a character): all of it comes now.
+    assert rest["choices"][0]["text"] == whole["choices"][0]["text"]
+
+
+def test_streamed_chat_continuation_has_no_role_delta(
+    shim: Shim, tokenizer: Any, hf_greedy: Any
+) -> None:
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    body = {"model": MODEL, "messages": messages, "max_tokens": 6, "temperature": 0,
+            "ignore_eos": True}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    [t1] = hf_greedy(tokenizer.encode(text, add_special_tokens=False), 1)
+    first = tokenizer.decode([t1], skip_special_tokens=True)
+    assert first and "\ufffd" not in first, "pick a message whose first token is whole text"
+    events = stream_events(shim, "/v1/chat/completions", {
+        **body, "stream": True, "kv_transfer_params": {"first_token_ids": [t1]}})
+    chunks = events[:-1]
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks)
+    content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    whole = shim.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    assert first + content == whole
+
+
+@pytest.mark.parametrize("params,message", [
+    ({"first_token_ids": [1, 2, 3, 4]},
+     "kv_transfer_params.first_token_ids: 4 tokens leave none of max_tokens=4 to generate"),
+    ({"first_token_ids": [600]}, "kv_transfer_params.first_token_ids out of range [0, 512)"),
+    ({"first_token_ids": [5], "do_remote_decode": True},
+     "kv_transfer_params.first_token_ids is for the decode leg"),
+])
+def test_bad_first_token_ids_are_a_400(shim: Shim, params: dict[str, Any],
+                                       message: str) -> None:
+    r = shim.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 4,
+                                      "kv_transfer_params": params})
+    assert r.status_code == 400
+    assert r.json() == _err(message, "kv_transfer_params.first_token_ids")

@@ -66,7 +66,9 @@ class FakeEngine:
     # and reply with pdgate params unless `push_params` is off (P stopped early).
     kv_endpoints: bool = True
     kv_ready: str = "ok"
+    kv_ready_delay_s: float = 0.0  # the notice trails P's reply by this much
     push_params: bool = True
+    first_token_ids: list[int] | None = None  # as P: put in the reply's pdgate params
     reserves: list[dict[str, Any]] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     url: str = ""
@@ -143,13 +145,24 @@ class FakeEngine:
             return None
         endpoint = params.get("notify_endpoint")
         if endpoint and self.kv_ready != "never":
-            if self._sender is None:
-                self._sender = NotifySender()
-            self._sender.send(endpoint, KVReady(
+            notice = KVReady(
                 request_id=params["notify_request_id"], engine_id=self.engine_id,
                 status="ok" if self.kv_ready == "ok" else "failed",
-                error=None if self.kv_ready == "ok" else "fake write failure"))
-        return {"pdgate_mode": mode, "remote_engine_id": self.engine_id}
+                error=None if self.kv_ready == "ok" else "fake write failure")
+            if self.kv_ready_delay_s:
+                asyncio.get_running_loop().call_later(
+                    self.kv_ready_delay_s, self._notify, endpoint, notice)
+            else:
+                self._notify(endpoint, notice)
+        reply: dict[str, Any] = {"pdgate_mode": mode, "remote_engine_id": self.engine_id}
+        if self.first_token_ids is not None:
+            reply["first_token_ids"] = self.first_token_ids
+        return reply
+
+    def _notify(self, endpoint: str, notice: KVReady) -> None:
+        if self._sender is None:
+            self._sender = NotifySender()
+        self._sender.send(endpoint, notice)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({}, status=self.health_status)

@@ -47,8 +47,10 @@ from engine_shim.push import (
     Registration,
     decode_registration,
     encode_registration,
+    landed_notice,
     mode_of,
     notify_target,
+    parse_landed,
 )
 from engine_shim.side_channel import (
     HandshakePayload,
@@ -127,7 +129,7 @@ class KVConnector:
         self._pushes = PendingPushes(lease_seconds)
         self._writing_blocks = 0
         self._write_tasks: set[asyncio.Task[None]] = set()
-        self._landings: OrderedDict[str, Future[None]] = OrderedDict()
+        self._landings: OrderedDict[str, Future[tuple[int, ...]]] = OrderedDict()
         self._landings_lock = threading.Lock()
         self._expected: set[str] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -415,13 +417,18 @@ class KVConnector:
                 "host": self._host, "port": self.side_channel_port,
                 "block_size": self._kv.layout.block_size,
                 "num_blocks": self._kv.layout.num_blocks,
-                "kv_layout": self._kv.layout.layout}
+                "kv_layout": self._kv.layout.layout,
+                # Our landed notices name the tokens we sampled (push: D continues after
+                # them when asked to, so a router may stream them early).
+                "landed_tokens": True}
 
     def push_blocks(self, request_id: str, block_ids: list[int], num_tokens: int,
-                    params: Mapping[str, object]) -> dict[str, object]:
+                    params: Mapping[str, object],
+                    first_token_ids: tuple[int, ...] = ()) -> dict[str, object]:
         """P: a finished prompt's blocks (now owned by the connector) go to D by WRITE:
         at once in notify mode (D's blocks are in `params`), or once D's registration is
-        here in push mode. The blocks are freed when the write ends, fails or expires.
+        here in push mode. The blocks are freed when the write ends, fails or expires. The
+        landed notice names `first_token_ids` (what P sampled) for D.
         Returns the prefill reply's `kv_transfer_params`. Event-loop thread only; raises
         KVTransferError (bad params, table full: the caller keeps the blocks)."""
         if self._closed:
@@ -430,9 +437,10 @@ class KVConnector:
         mode = mode_of(params)
         if mode == "notify":
             self._spawn_write(Match(request_id, tuple(block_ids), num_tokens,
-                                    notify_target(params)))
+                                    notify_target(params), first_token_ids))
         else:
-            match = self._pushes.offer(request_id, block_ids, num_tokens, params)
+            match = self._pushes.offer(request_id, block_ids, num_tokens, params,
+                                       first_token_ids)
             if match is not None:
                 self._spawn_write(match)
             else:
@@ -476,7 +484,7 @@ class KVConnector:
                          host=t.host, port=t.port, agent_name=t.agent_name)
         peer, _ = await self._peer(req)
         deadline = time.monotonic() + self._transfer_timeout
-        notif = LANDED_PREFIX + t.tag.encode()
+        notif = landed_notice(t.tag, m.first_token_ids)
         done = await self._submit(lambda: self._start_write(peer, m, notif, deadline))
         try:
             return await asyncio.wait_for(asyncio.wrap_future(done), self._transfer_timeout + 1)
@@ -513,7 +521,7 @@ class KVConnector:
     def _on_push_notice(self, msg: bytes) -> None:
         """Agent thread: a registration / unregistration (we are P) or a landing (we are D)."""
         if msg.startswith(LANDED_PREFIX):
-            self._set_landed(msg[len(LANDED_PREFIX):].decode("utf-8", "replace"))
+            self._set_landed(*parse_landed(msg[len(LANDED_PREFIX):]))
         elif msg.startswith(UNREG_PREFIX):
             self._pushes.unregister(msg[len(UNREG_PREFIX):].decode("utf-8", "replace"))
         elif msg.startswith(REG_PREFIX):
@@ -531,7 +539,7 @@ class KVConnector:
     # Landings: one concurrent Future per tag, set by the agent thread when P's notice
     # arrives (possibly before anyone waits for it). `_expected` holds the tags still
     # waited for, so the agent thread polls fast only while one is outstanding.
-    def _landing(self, tag: str) -> Future[None]:
+    def _landing(self, tag: str) -> Future[tuple[int, ...]]:
         with self._landings_lock:
             fut = self._landings.get(tag)
             if fut is None:
@@ -541,12 +549,12 @@ class KVConnector:
                     self._expected.discard(old)
             return fut
 
-    def _set_landed(self, tag: str) -> None:
+    def _set_landed(self, tag: str, first_token_ids: tuple[int, ...]) -> None:
         fut = self._landing(tag)
         with self._landings_lock:
             self._expected.discard(tag)
         with contextlib.suppress(InvalidStateError):  # landed twice, or aborted meanwhile
-            fut.set_result(None)
+            fut.set_result(first_token_ids)
 
     def _awaiting_landing(self) -> bool:
         return bool(self._expected)
@@ -560,7 +568,7 @@ class KVConnector:
                 self._expected.add(tag)
         self._thread.wake()
 
-    def _await_starts(self, tag: str) -> Future[None]:
+    def _await_starts(self, tag: str) -> Future[tuple[int, ...]]:
         fut = self._landing(tag)
         with self._landings_lock:
             if not fut.done():
@@ -572,22 +580,24 @@ class KVConnector:
             self._landings.pop(tag, None)
             self._expected.discard(tag)
 
-    async def await_landing(self, tag: str, timeout: float) -> bool:
+    async def await_landing(self, tag: str, timeout: float) -> tuple[int, ...] | None:
         """D: wait (at most `timeout` s) for P's notice that the WRITE tagged `tag` landed
-        (NIXL delivers it after the data). True when it did; the entry is then forgotten."""
+        (NIXL delivers it after the data). The tokens P named in it (maybe none) when it
+        did, None when not; the entry is then forgotten."""
         fut = self._await_starts(tag)
         try:
-            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout)
-            return True
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout)
         except (TimeoutError, KVTransferError):
-            return False
+            return None
         finally:
             self.forget_landing(tag)
 
     async def await_push(self, params: Mapping[str, object], request_id: str,
-                         local_block_ids: list[int], num_tokens: int) -> int:
+                         local_block_ids: list[int], num_tokens: int
+                         ) -> tuple[int, tuple[int, ...]]:
         """D in push mode: register `local_block_ids` with P (named in `params`) and wait
-        until P's WRITE landed; returns the bytes received. Raises KVTransferError on a bad
+        until P's WRITE landed; returns the bytes received and the tokens P sampled (as its
+        landed notice names them; maybe none). Raises KVTransferError on a bad
         peer or when nothing landed within the transfer timeout (P is then told to drop the
         registration)."""
         t0 = time.perf_counter()
@@ -599,7 +609,8 @@ class KVConnector:
                                self.agent_name, list(local_block_ids), num_tokens)
             await self._submit(lambda: self._get_reader().send_notif(
                 peer, encode_registration(reg)))
-            if not await self.await_landing(request_id, self._transfer_timeout):
+            tokens = await self.await_landing(request_id, self._transfer_timeout)
+            if tokens is None:
                 raise KVTransferError(f"no KV pushed by {req.engine_id} in time",
                                       reason="timeout")
         except BaseException as e:
@@ -610,7 +621,7 @@ class KVConnector:
         layout = self._kv.layout
         nbytes = len(local_block_ids) * layout.block_bytes * layout.num_layers * 2
         self._metrics.kv_transfer_seconds.labels(op="push").observe(time.perf_counter() - t0)
-        return nbytes
+        return nbytes, tokens
 
     def _unregister_later(self, params: Mapping[str, object], request_id: str) -> None:
         self.forget_landing(request_id)

@@ -138,7 +138,8 @@ class KVPush(Protocol):
     """The connector calls of the notify/push flows (P WRITEs into D; engine_shim/push.py)."""
 
     def push_blocks(self, request_id: str, block_ids: list[int], num_tokens: int,
-                    params: Mapping[str, object]) -> dict[str, Any]:
+                    params: Mapping[str, object],
+                    first_token_ids: tuple[int, ...] = ()) -> dict[str, Any]:
         """P: hand a finished prompt's blocks over for a WRITE into D; the reply params."""
         ...
 
@@ -146,10 +147,15 @@ class KVPush(Protocol):
 
     def forget_landing(self, tag: str) -> None: ...
 
-    async def await_landing(self, tag: str, timeout: float) -> bool: ...
+    async def await_landing(self, tag: str, timeout: float) -> tuple[int, ...] | None:
+        """The tokens P named once its WRITE landed (maybe none); None: it did not land."""
+        ...
 
     async def await_push(self, params: Mapping[str, object], request_id: str,
-                         local_block_ids: list[int], num_tokens: int) -> int: ...
+                         local_block_ids: list[int], num_tokens: int
+                         ) -> tuple[int, tuple[int, ...]]:
+        """Bytes received and the tokens P named in its landed notice."""
+        ...
 
 
 class Engine:
@@ -414,7 +420,7 @@ class Engine:
         if tag is None:
             return  # no reservation: recompute (counted in _claim_reservation)
         landed = isinstance(self.connector, KVPush) and await self.connector.await_landing(
-            tag, _LANDING_TIMEOUT_S)
+            tag, _LANDING_TIMEOUT_S) is not None
         if not landed:
             log.warning("request %s: P's write notice for %s did not arrive; recomputing",
                         seq.req.request_id, tag)
@@ -431,7 +437,7 @@ class Engine:
             return
         local = seq.block_ids[: self.scheduler.blocks_for(n)]
         try:
-            await connector.await_push(seq.req.remote, seq.req.request_id, local, n)
+            _, tokens = await connector.await_push(seq.req.remote, seq.req.request_id, local, n)
         except asyncio.CancelledError:
             # P may be writing into these blocks right now (it was told to stop): keep them
             # out of the pool a little longer.
@@ -441,10 +447,25 @@ class Engine:
         except Exception as e:
             log.warning("request %s: KV push failed (%s: %s); recomputing the prompt",
                         seq.req.request_id, type(e).__name__, e)
+            self._no_prefill_token(seq)
             self._kv_load_failed(seq)
             return
+        if _continues_after_prefill(seq):
+            vocab = self.model.config.vocab_size
+            if not tokens or len(tokens) >= seq.req.max_tokens or \
+                    not all(0 <= t < vocab for t in tokens):
+                self._no_prefill_token(seq)
+            seq.resume(tokens)
         if await self._stage_in(seq, local):
             self._mark_transferred(seq, len(local), "decode-push")
+
+    def _no_prefill_token(self, seq: Sequence) -> None:
+        """A decode asked to continue after P's token cannot learn that token: fail it (the
+        router, which streamed P's token, continues it elsewhere) instead of sampling anew."""
+        if _continues_after_prefill(seq):
+            self.metrics.requests.labels(role="decode", status="kv_load_failed").inc()
+            raise KVLoadFailed(f"request {seq.req.request_id}: no token from the prefill "
+                               "engine to continue after (its KV push did not land)")
 
     def _mark_transferred(self, seq: Sequence, blocks: int, role: str) -> None:
         seq.num_computed = _reusable(seq, blocks * self.block_size)
@@ -552,7 +573,8 @@ class Engine:
                 self.staging.to_host(held)
             if push and isinstance(self.connector, KVPush):
                 params = self.connector.push_blocks(seq.req.request_id, held, seq.num_prompt,
-                                                    seq.req.remote)
+                                                    seq.req.remote,
+                                                    tuple(seq.token_ids[seq.num_prompt:]))
             else:
                 params = self.connector.hold_for_remote_decode(seq.req.request_id, held)
         except Exception:
@@ -624,6 +646,11 @@ class RequestStream:
                 raise item
             self._done = item.finish_reason is not None
             yield item
+
+
+def _continues_after_prefill(seq: Sequence) -> bool:
+    remote = seq.req.remote
+    return isinstance(remote, Mapping) and remote.get("continue_after_prefill") is True
 
 
 def _reusable(seq: Sequence, received_tokens: int) -> int:

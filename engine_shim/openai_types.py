@@ -312,6 +312,9 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     pdgate_mode: str | None = None  # "notify" | "push" (engine_shim/push.py); None = pull
     # Tokens P sampled that the client already has: this decode continues after them.
     first_token_ids: list[int] | None = None
+    # Push decode leg: continue after the token(s) P names in its landed notice (the router
+    # streams them from P's reply), or fail; no chat role delta either way.
+    continue_after_prefill: bool = False
 
 
 # What a decode leg must name, per flow: pull reads P's blocks; push registers D's own blocks
@@ -345,6 +348,9 @@ def kv_transfer_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
                 f"kv_transfer_params with do_remote_prefill needs {', '.join(missing)}",
                 param=f"kv_transfer_params.{missing[0]}",
             )
+        if params.continue_after_prefill and params.pdgate_mode != "push":
+            raise RequestError("kv_transfer_params.continue_after_prefill needs pdgate_mode "
+                               "push", param="kv_transfer_params.continue_after_prefill")
         if any(b < 0 for b in params.remote_block_ids or []):
             raise RequestError("kv_transfer_params.remote_block_ids must be >= 0",
                                param="kv_transfer_params.remote_block_ids")

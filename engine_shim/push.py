@@ -12,7 +12,9 @@ Two flows put a `WriteTarget` (where in D the KV goes) next to P's finished bloc
   may end before or after the registration arrives: `PendingPushes` keeps whichever comes
   first (bounded, with a TTL) and hands back the pair once both are there.
 
-When the WRITE lands, P's NIXL notification `LANDED_PREFIX + tag` reaches D after the data.
+When the WRITE lands, P's NIXL notification `landed_notice(tag, tokens)` reaches D after the
+data; it names the token(s) P sampled, so a push-mode D asked to `continue_after_prefill`
+can go on after them (the router streamed them to the client from P's reply).
 
 kv_transfer_params keys (the router writes them; vLLM ignores unknown keys):
     pdgate_mode        "notify" | "push" (absent: vLLM pull)
@@ -24,6 +26,11 @@ kv_transfer_params keys (the router writes them; vLLM ignores unknown keys):
     num_tokens         prompt tokens the router counted (D's reservation size)
     remote_*           notify P leg: D's engine id / side channel / agent / reserved blocks;
                        push D leg: P's engine id / side channel
+    first_token_ids    P's reply (notify/push): the token(s) P sampled. A decode leg with it
+                       continues after them (notify's early first token; also without a
+                       transfer, when D must recompute the prompt)
+    continue_after_prefill  push D leg: continue after the token(s) P's landed notice names
+                       (the router streamed them from P's reply), or fail the stream
 """
 
 from __future__ import annotations
@@ -152,6 +159,7 @@ class _Blocks:
     num_tokens: int
     params: Mapping[str, object] | None
     expires_at: float
+    first_token_ids: tuple[int, ...]
 
 
 @dataclass
@@ -168,6 +176,26 @@ class Match:
     block_ids: tuple[int, ...]
     num_tokens: int
     target: WriteTarget
+    first_token_ids: tuple[int, ...] = ()  # what P sampled: named in the landed notice
+
+
+def landed_notice(tag: str, first_token_ids: tuple[int, ...]) -> bytes:
+    """P -> D after a WRITE: `LANDED_PREFIX tag [\\n id,id...]` (a tag is a request or
+    reservation id, which never holds a newline: they come from HTTP headers)."""
+    notice = LANDED_PREFIX + tag.encode()
+    if first_token_ids:
+        notice += b"\n" + b",".join(str(t).encode() for t in first_token_ids)
+    return notice
+
+
+def parse_landed(body: bytes) -> tuple[str, tuple[int, ...]]:
+    """(tag, P's tokens) of a landed notice without its prefix; bad token lists read as ()."""
+    tag, _, ids = body.partition(b"\n")
+    try:
+        tokens = tuple(int(t) for t in ids.split(b",")) if ids else ()
+    except ValueError:
+        tokens = ()
+    return tag.decode("utf-8", "replace"), tokens
 
 
 class PendingPushes:
@@ -189,18 +217,19 @@ class PendingPushes:
         self._lock = threading.Lock()
 
     def offer(self, request_id: str, block_ids: list[int], num_tokens: int,
-              params: Mapping[str, object] | None) -> Match | None:
+              params: Mapping[str, object] | None,
+              first_token_ids: tuple[int, ...] = ()) -> Match | None:
         """P's prompt is done: the Match if D already registered, else keep the blocks.
         Raises KVTransferError when the table is full (the caller keeps the blocks)."""
         with self._lock:
             reg = self._regs.pop(request_id, None)
             if reg is not None:
                 return Match(request_id, tuple(block_ids), num_tokens,
-                             registration_target(reg.reg, params))
+                             registration_target(reg.reg, params), first_token_ids)
             if len(self._blocks) >= self._max or request_id in self._blocks:
                 raise KVTransferError("too many prompts waiting for a push registration")
             self._blocks[request_id] = _Blocks(tuple(block_ids), num_tokens, params,
-                                               self._clock() + self._ttl)
+                                               self._clock() + self._ttl, first_token_ids)
             return None
 
     def register(self, reg: Registration) -> Match | None:
@@ -209,7 +238,7 @@ class PendingPushes:
             held = self._blocks.pop(reg.request_id, None)
             if held is not None:
                 return Match(reg.request_id, held.block_ids, held.num_tokens,
-                             registration_target(reg, held.params))
+                             registration_target(reg, held.params), held.first_token_ids)
             self._regs[reg.request_id] = _Reg(reg, self._clock() + self._ttl)
             self._regs.move_to_end(reg.request_id)
             while len(self._regs) > self._max:

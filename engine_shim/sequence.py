@@ -169,7 +169,12 @@ class Sequence:
     def __post_init__(self) -> None:
         self.token_ids = list(self.req.prompt_ids)
         self.sampler = Sampler(self.req.sampling)
-        for token in self.req.first_token_ids:
+        self.resume(self.req.first_token_ids)
+
+    def resume(self, token_ids: tuple[int, ...]) -> None:
+        """Continue after `token_ids`, sampled elsewhere and already delivered: they become
+        output (max_tokens, usage) whose text is never emitted. Before any output only."""
+        for token in token_ids:
             # Through the detokenizer so later text continues exactly where the client's
             # copy of these tokens ends (a split character included).
             self.token_ids.append(token)

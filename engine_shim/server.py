@@ -181,7 +181,7 @@ async def _serve(
     headers = {"X-Request-Id": gen.request_id}
     if req.stream:
         return _ClosingStreamingResponse(
-            stream, _sse_events(stream, head, chat, bool(gen.first_token_ids)),
+            stream, _sse_events(stream, head, chat, _continues(gen)),
             media_type="text/event-stream",
             headers=headers,
         )
@@ -302,6 +302,12 @@ class _ClosingStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._engine_stream.close()
+
+
+def _continues(gen: GenerateRequest) -> bool:
+    """The stream continues one the client already has (opened with P's token)."""
+    remote = gen.remote if isinstance(gen.remote, dict) else {}
+    return bool(gen.first_token_ids) or remote.get("continue_after_prefill") is True
 
 
 def _check_token_ids(engine: Engine, ids: list[int], param: str = "prompt") -> list[int]:

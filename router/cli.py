@@ -95,8 +95,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                            "notices with (engines: --notify-secret)"),
     ("kv_ready_timeout_s", float, "notify mode: seconds a request waits for its KV-ready "
                                   "notice before failing with 504"),
-    ("notify_early_token", bool, "notify mode: stream the prefill engine's first token to the "
-                                 "client at once; the decode engine continues after it"),
+    ("early_first_token", bool, "notify/push modes: stream the prefill engine's first token "
+                                "to the client at once; the decode engine continues after it"),
     ("max_concurrent_requests", int, "requests served at once; more wait in the queue"),
     ("max_queued_requests", int, "requests waiting for a slot; beyond that: 429 with "
                                  "Retry-After (0: no queue)"),

@@ -93,8 +93,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     notify_advertise_host: str | None = None
     notify_secret: str | None = None
     kv_ready_timeout_s: float = 30.0
-    # Stream P's first token to the client as soon as P answers (router/early_token.py).
-    notify_early_token: bool = True
+    # Notify/push: stream P's first token to the client as soon as P answers
+    # (router/early_token.py).
+    early_first_token: bool = True
     # Resilience (issue 5). Admission: requests served at once, requests waiting for a slot
     # (beyond both: 429), and how long one may wait. Secrets: Bearer keys for the OpenAI
     # routes and for /admin (admin routes exist only when `admin_api_key` is set).

@@ -1,6 +1,8 @@
-"""Notify mode's early first token: P's one-token reply is streamed to the client as soon as
-it arrives, while P's KV is still being written into D; D then continues after that token
-(`kv_transfer_params.first_token_ids`) instead of sampling it again.
+"""The early first token of the notify and push flows: P's one-token reply is streamed to the
+client as soon as it arrives, while P's KV is still being written into D; D then continues
+after that token instead of sampling it again (notify: the decode leg names it in
+`kv_transfer_params.first_token_ids`; push: the decode leg, sent before the token existed,
+says `continue_after_prefill` and D reads the token from P's landed notice).
 
 TTFT becomes P's prefill plus one hop, with no KV-ready wait, decode-leg round trip or D step
 in it. Only requests whose first token means the same on P and D qualify: whatever makes a

@@ -4,7 +4,9 @@ Per request: pick P and D → send both legs at once. P's leg asks it to keep th
 for a push; D's leg names P's engine id and side channel (`POST /v1/kv/info`, cached per
 engine). D allocates the prompt's blocks and registers them with P over NIXL; P WRITEs as
 soon as its prefill is done and D's registration is there (either may come first); D
-decodes when the KV has landed. TTFT ≈ max(prefill, D's admission) + WRITE.
+decodes when the KV has landed. TTFT ≈ max(prefill, D's admission) + WRITE; for streams
+that qualify (router/early_token.py) the client gets P's own token when P answers and D
+continues after it (D learns it from P's landed notice), so TTFT ≈ prefill + one hop.
 
 The P leg is watched until it answers: if it fails, the decode leg is cancelled (D drops its
 registration and frees its blocks) and the client gets P's error — or an SSE error event if
@@ -23,6 +25,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
+import msgspec
+
+from router.early_token import eligible, first_token_ids, head_chunks
 from router.engines import EngineStream
 from router.errors import EngineError, EngineRejected, RouterError
 from router.flows_common import (
@@ -45,17 +50,19 @@ __all__ = ["PushFlow"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MODE = "push"
+_json_encode = msgspec.json.Encoder().encode
 
 
 class PushFlow:
     """Runs disaggregated requests in push mode. Built once per app, in the lifespan."""
 
     def __init__(self, orch: Orchestrator, metrics: FlowMetrics, aborter: Aborter,
-                 info: KVInfoCache) -> None:
+                 info: KVInfoCache, *, early_first_token: bool = True) -> None:
         self.orch = orch
         self.metrics = metrics
         self.aborter = aborter
         self.info = info
+        self.early_first_token = early_first_token
 
     async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult | None:
         """Serve `req`; None means "run the pull flow" (P cannot push)."""
@@ -71,15 +78,24 @@ class PushFlow:
             o.metrics.fallbacks.labels("no_push").inc()
             return None
         n = len(req.prompt_token_ids or ())
+        # P's landed notice names its token: D can continue after it, so the client may
+        # get it from P's reply at once (router/early_token.py).
+        early = req.stream and self.early_first_token and info.get("landed_tokens") is True \
+            and eligible(req)
         p_body = prefill_leg_body(req.body, {"pdgate_mode": MODE, "num_tokens": n})
-        d_body = decode_leg_body(req.body, {
+        d_params = {
             "pdgate_mode": MODE, "remote_engine_id": info["engine_id"],
             "remote_host": info["host"], "remote_port": info["port"],
             "remote_agent_name": info.get("agent_name"), "num_tokens": n,
-        })
+        }
+        if early:
+            d_params["continue_after_prefill"] = True
+        d_body = decode_leg_body(req.body, d_params)
         leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, p_body)
         req.served_by["decode"] = d_ep.url
         watch = _Watch(self, req, leg, p_ep, d_ep)
+        if early:
+            return await self._stream_early(req, d_ep, d_body, watch, t0)
         if req.stream:
             return await self._open_decode(req, d_ep, d_body, watch, t0)
         return await self._run_decode(req, d_ep, d_body, watch, t0)
@@ -116,6 +132,76 @@ class PushFlow:
         return StreamResult(chunks, stack.close)
 
 
+    async def _stream_early(self, req: ClientRequest, d_ep: Endpoint, body: bytes,
+                            watch: _Watch, t0: float) -> StreamResult:
+        """Both legs are out; D was asked to continue after P's token. Once P answers, open
+        the client's stream with P's token and relay D's continuation (D failing to learn
+        the token: it continues after it by recomputing). P pushing nothing: a plain D leg."""
+        o = self.orch
+        stack = contextlib.ExitStack()
+        stack.enter_context(o.pool.track(d_ep))
+        opening = asyncio.create_task(
+            o.engines.open_stream(d_ep.url, req.path, body, req.engine_headers))
+        try:
+            stream = await watch.run(opening)
+            stack.callback(stream.close)  # closing it tells D to drop its registration
+            await asyncio.wait({watch.leg.task})
+            watch.prefill_done()
+        except BaseException:
+            stack.close()
+            watch.leg.cancel()
+            self.aborter.abort(watch.p_ep, req.request_id, req.engine_headers)
+            raise
+        reply = watch.leg.reply()
+        ids = first_token_ids(reply) if watch.pushed and reply is not None else None
+        if reply is None or ids is None:  # D waits for a token P will not name
+            stack.close()
+            self.aborter.abort(d_ep, req.request_id, req.engine_headers)
+            return await self._open_decode(req, d_ep, decode_leg_body(req.body, None),
+                                           watch, t0)
+        head = head_chunks(reply, req.kind == "chat", req.wants_usage_chunks)
+        source = _Continuation(self, req, d_ep, head, ids, stream, stack)
+        chunks = relay(source, watch.leg, o.metrics, t0, MODE, req.wants_usage_chunks)
+        return StreamResult(chunks, stack.close)
+
+
+class _Continuation:
+    """The client's stream in early-token push mode: P's token, then D's stream continuing
+    after it. D's first event being an error (the push did not land, or named no token)
+    makes D recompute the prompt and continue after P's token on a fresh leg."""
+
+    def __init__(self, flow: PushFlow, req: ClientRequest, d_ep: Endpoint, head: bytes,
+                 ids: list[int], stream: EngineStream, stack: contextlib.ExitStack) -> None:
+        self._flow = flow
+        self._req = req
+        self._d_ep = d_ep
+        self._head = head
+        self._ids = ids
+        self._stream = stream
+        self._stack = stack
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        if self._head:
+            yield self._head
+        o, req, metrics = self._flow.orch, self._req, self._flow.metrics
+        stream = self._stream
+        try:
+            await stream.check_start(o.engines.first_byte_timeout_s)
+            metrics.early_tokens.labels("kv").inc()
+        except RouterError as exc:
+            log.warning("request %s: decode engine could not continue after the prefill "
+                        "engine's token with its KV (%s); recomputing", req.request_id,
+                        exc.message)
+            metrics.early_tokens.labels("recompute").inc()
+            body = dict(req.body)
+            body["kv_transfer_params"] = {"first_token_ids": self._ids}
+            stream = await o.engines.open_stream(self._d_ep.url, req.path,
+                                                 _json_encode(body), req.engine_headers)
+            self._stack.callback(stream.close)
+        async for chunk in stream.chunks():
+            yield chunk
+
+
 class _Watch:
     """Runs a decode-leg step while watching the prefill leg (see the module docstring)."""
 
@@ -127,6 +213,7 @@ class _Watch:
         self.p_ep = p_ep
         self.d_ep = d_ep
         self.pushed = False  # P answered and kept its KV for D
+        self._settled = False  # prefill_done ran
 
     async def run(self, step: asyncio.Task[T]) -> T:
         """`step`'s result; cancels it and raises when P fails first. Any failure of `step`
@@ -145,7 +232,9 @@ class _Watch:
 
     def prefill_done(self) -> None:
         """React to P's answer: raise P's error, or tell D to stop waiting if P did not
-        push, or note that it did."""
+        push, or note that it did. Idempotent."""
+        if self._settled:
+            return
         failure = self.leg.error()
         if self.leg.task.cancelled():
             raise EngineError(f"prefill leg on {self.p_ep.url} was cancelled")
@@ -154,6 +243,7 @@ class _Watch:
             if isinstance(failure, RouterError):
                 raise failure
             raise EngineError(f"prefill leg on {self.p_ep.url} failed: {failure!r}")
+        self._settled = True
         params = self.leg.kv_params()
         self.pushed = isinstance(params, dict) and params.get("pdgate_mode") == MODE
         if not self.pushed:

@@ -29,7 +29,8 @@ async def open_pd_flow(
     aborter = Aborter(orch.engines)
     stack.push_async_callback(aborter.close)
     if config.pd_mode == "push":
-        return PushFlow(orch, metrics, aborter, KVInfoCache(orch.engines))
+        return PushFlow(orch, metrics, aborter, KVInfoCache(orch.engines),
+                        early_first_token=config.early_first_token)
     proxy = NotifyServer(
         ProxyConfig(bind=config.notify_bind, advertise_host=config.notify_advertise_host,
                     notify_secret=config.notify_secret),
@@ -38,4 +39,4 @@ async def open_pd_flow(
     await proxy.start()
     stack.push_async_callback(proxy.close)
     return NotifyFlow(orch, proxy, metrics, aborter, config.kv_ready_timeout_s,
-                      early_first_token=config.notify_early_token)
+                      early_first_token=config.early_first_token)

@@ -98,14 +98,45 @@ def test_streamed_greedy_output_equals_colocated(cluster: Cluster, prompt: str) 
     assert streamed == colocated["choices"][0]["text"]
     assert usage["completion_tokens"] == 24
     assert usage["prompt_tokens"] == colocated["usage"]["prompt_tokens"]
-    if cluster.mode == "notify":  # type: ignore[attr-defined]
-        # P's token went out first and D continued after it.
-        assert metric(cluster.router, "pdgate_early_first_tokens_total", early) == before + 1
+    # P's token went out first and D continued after it (with P's KV).
+    assert metric(cluster.router, "pdgate_early_first_tokens_total", early) == before + 1
 
 
 def test_sampled_stream_keeps_its_token_budget(cluster: Cluster) -> None:
     text, usage = _stream(cluster.router, PROMPTS[2], max_tokens=12, temperature=1.0)
     assert usage["completion_tokens"] == 12 and text
+
+
+def test_push_continuation_without_p_token_fails_instead_of_resampling(
+        cluster: Cluster) -> None:
+    """A push decode leg told to continue after P's token must not invent that token: when
+    the push cannot land (here: the router aborts it), its stream is one error event."""
+    if cluster.mode != "push":  # type: ignore[attr-defined]
+        pytest.skip("push mode only")
+    info = httpx.get(cluster.prefill[0] + "/v1/kv/info", timeout=5).json()
+    rid = f"orphan-{time.monotonic_ns()}"
+    body = {"model": "tiny", "prompt": PROMPTS[1], "max_tokens": 4, "stream": True,
+            "kv_transfer_params": {
+                "do_remote_prefill": True, "pdgate_mode": "push",
+                "continue_after_prefill": True, "remote_engine_id": info["engine_id"],
+                "remote_host": info["host"], "remote_port": info["port"]}}
+
+    async def run() -> str:
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def stream() -> str:
+                r = await client.post(cluster.decode[0] + "/v1/completions", json=body,
+                                      headers={"X-Request-Id": rid})
+                return r.text
+            task = asyncio.create_task(stream())
+            await asyncio.sleep(1.0)  # D registered with P, which never prefills this id
+            await client.post(cluster.decode[0] + "/v1/kv/abort", json={"request_id": rid})
+            return await task
+
+    text = asyncio.run(run())
+    events = [line for line in text.split("\n") if line.startswith("data: ")]
+    assert len(events) == 2 and events[1] == "data: [DONE]", text
+    assert "no token from the prefill engine" in json.loads(events[0][6:])["error"]["message"]
+    wait_pools_full(cluster)
 
 
 def test_decode_received_exactly_the_prefill_bytes(cluster: Cluster) -> None:

@@ -69,6 +69,9 @@ class FakeEngine:
     kv_ready_delay_s: float = 0.0  # the notice trails P's reply by this much
     push_params: bool = True
     first_token_ids: list[int] | None = None  # as P: put in the reply's pdgate params
+    # As D: a push leg asked to continue after P's token answers with one SSE error event
+    # (the shim's answer when the push did not land).
+    fail_continuations: bool = False
     reserves: list[dict[str, Any]] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     url: str = ""
@@ -126,8 +129,11 @@ class FakeEngine:
             "num_tokens": body["num_tokens"]})
 
     def info(self) -> dict[str, Any]:
-        return {"engine_id": self.engine_id, "agent_name": f"{self.engine_id}-agent",
+        info = {"engine_id": self.engine_id, "agent_name": f"{self.engine_id}-agent",
                 "host": "127.0.0.1", "port": 5700, "block_size": 4, "num_blocks": 64}
+        if self.first_token_ids is not None:
+            info["landed_tokens"] = True  # as a shim: its landed notices name the token
+        return info
 
     async def _info(self, request: web.Request) -> web.Response:
         return web.json_response(self.info())
@@ -183,6 +189,12 @@ class FakeEngine:
         chat = request.path.endswith("/chat/completions")
         if rec.is_prefill:
             return web.json_response(self._prefill_reply(rec, chat))
+        kv = body.get("kv_transfer_params") or {}
+        if body.get("stream") and self.fail_continuations and kv.get("continue_after_prefill"):
+            err = {"error": {"message": "no token from the prefill engine", "type": "X",
+                             "code": 502}}
+            return web.Response(body=b"data: " + json.dumps(err).encode() + b"\n\n",
+                                content_type="text/event-stream")
         if body.get("stream"):
             return await self._stream(request, rec, chat)
         return web.json_response(self._decode_reply(rec, chat))

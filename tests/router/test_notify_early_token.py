@@ -115,7 +115,7 @@ async def test_p_without_first_token_ids_keeps_the_plain_flow(
 async def test_early_token_can_be_turned_off(
         make_engine: MakeEngine, start_router: StartRouter) -> None:
     p, d, router = await _cluster(make_engine, start_router,
-                                  router_kw={"notify_early_token": False})
+                                  router_kw={"early_first_token": False})
     resp = await router.client.post("/v1/completions", json=BODY)
     assert _texts(_events(resp.text)) == ["Hello", " world", "!"]
     assert "first_token_ids" not in d.decodes[0].body["kv_transfer_params"]
@@ -128,3 +128,51 @@ async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.02)
+
+
+# ---- push mode: D learns P's token from P's landed notice --------------------------------
+
+async def _push(make_engine: MakeEngine, start_router: StartRouter, **d_kw: Any
+                ) -> tuple[FakeEngine, FakeEngine, RunningRouter]:
+    p = await make_engine(engine_id="P0", first_token_ids=[7])
+    d = await make_engine(engine_id="D0", **d_kw)
+    router = await start_router([p], [d], pd_mode="push")
+    return p, d, router
+
+
+async def test_push_stream_opens_with_p_token_and_d_continues_after_it(
+        make_engine: MakeEngine, start_router: StartRouter) -> None:
+    p, d, router = await _push(make_engine, start_router)
+    resp = await router.client.post("/v1/completions", json=BODY)
+    assert resp.status_code == 200
+    assert _texts(_events(resp.text)) == ["P", "Hello", " world", "!"]
+    [decode] = d.decodes  # sent with P's leg, before P's token existed
+    dkv = decode.body["kv_transfer_params"]
+    assert dkv["continue_after_prefill"] is True and dkv["pdgate_mode"] == "push"
+    assert "first_token_ids" not in dkv
+    assert router.metric("pdgate_early_first_tokens_total", {"result": "kv"}) == 1
+
+
+async def test_push_continuation_that_cannot_start_is_recomputed_after_p_token(
+        make_engine: MakeEngine, start_router: StartRouter) -> None:
+    p, d, router = await _push(make_engine, start_router, fail_continuations=True)
+    resp = await router.client.post("/v1/completions", json=BODY)
+    assert resp.status_code == 200
+    assert _texts(_events(resp.text)) == ["P", "Hello", " world", "!"]
+    first, again = d.decodes
+    assert first.body["kv_transfer_params"]["continue_after_prefill"] is True
+    assert again.body["kv_transfer_params"] == {"first_token_ids": [7]}
+    assert router.metric("pdgate_early_first_tokens_total", {"result": "recompute"}) == 1
+
+
+async def test_push_without_kv_from_p_runs_a_plain_decode_leg(
+        make_engine: MakeEngine, start_router: StartRouter) -> None:
+    p = await make_engine(engine_id="P0", first_token_ids=[7], push_params=False)
+    d = await make_engine(engine_id="D0")
+    router = await start_router([p], [d], pd_mode="push")
+    resp = await router.client.post("/v1/completions", json=BODY,
+                                    headers={"X-Request-Id": "rid-np"})
+    assert resp.status_code == 200
+    assert _texts(_events(resp.text)) == ["Hello", " world", "!"]  # nothing from P
+    assert "kv_transfer_params" not in d.decodes[-1].body
+    await _until(lambda: "rid-np" in d.aborts)

@@ -53,10 +53,10 @@ def _free_base(count: int) -> int:
     raise RuntimeError("no free port range")
 
 
-def start(mode: str, log_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start(mode: str, log_dir: Path, device: str) -> tuple[subprocess.Popen[bytes], str]:
     """`pdgate up` for `mode`; returns the process and the router URL once ready."""
     base = _free_base(5)
-    flags = ["--pd-mode", "pull" if mode == "colocated" else mode]
+    flags = ["--pd-mode", "pull" if mode == "colocated" else mode, "--device", device]
     if mode == "colocated":
         flags.append("--router-arg=--disagg-min-tokens=1000000")
     argv = [sys.executable, "-m", "pdgate.cli", "up", "--no-demo", "--port", str(base),
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="pdgate-bench-e2e-") as tmp:
         for mode in args.modes:
-            proc, url = start(mode, Path(tmp) / mode)
+            proc, url = start(mode, Path(tmp) / mode, args.device)
             try:
                 # The same prompts in every mode.
                 figures[mode] = asyncio.run(load(url, args, 10_000))
@@ -173,6 +173,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
     p.add_argument("--warmup", type=int, default=4, help="unmeasured requests first")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--device", default="cpu", help="engines' device: cpu, cuda, cuda:N")
     p.add_argument("--json", action="store_true", help="print figures as JSON last line")
     args = p.parse_args()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
@@ -181,7 +182,8 @@ def main() -> int:
     if args.json:
         print(json.dumps({"e2e": figures, "config": {
             "requests": args.requests, "concurrency": args.concurrency,
-            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens}}))
+            "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+            "device": args.device}}))
     return 0
 
 

@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from router.engines import (
     EngineClient,
+    EngineStream,
     PrefillUsage,
     extract_kv_params,
     prefill_usage,
@@ -34,7 +35,8 @@ from router.schema import ClientRequest
 from router.sse import UsageRewriter
 
 __all__ = ["Aborter", "ChunkSource", "FlowMetrics", "KVInfoCache", "PrefillLeg",
-           "decode_leg_body", "prefill_leg_body", "relay", "relay_chunks", "rewrite_reply_usage"]
+           "decode_leg_body", "open_continuation", "prefill_leg_body", "relay", "relay_chunks",
+           "rewrite_reply_usage"]
 
 log = logging.getLogger(__name__)
 _json_encode = msgspec.json.Encoder().encode
@@ -197,6 +199,19 @@ class Aborter:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+async def open_continuation(engines: EngineClient, req: ClientRequest, url: str,
+                            kv_params: dict[str, Any], stack: contextlib.ExitStack
+                            ) -> EngineStream:
+    """Open the decode leg that continues a stream the client already has (early first
+    token): the client's body with `kv_params` as its `kv_transfer_params`. The stream is
+    closed with `stack`."""
+    body = dict(req.body)
+    body["kv_transfer_params"] = kv_params
+    stream = await engines.open_stream(url, req.path, _json_encode(body), req.engine_headers)
+    stack.callback(stream.close)
+    return stream
 
 
 class ChunkSource(Protocol):

@@ -33,6 +33,7 @@ from router.flows_common import (
     FlowMetrics,
     PrefillLeg,
     decode_leg_body,
+    open_continuation,
     prefill_leg_body,
     relay,
     rewrite_reply_usage,
@@ -240,14 +241,11 @@ class _EarlyStream:
         if self._head:
             yield self._head
         params = await self._decode_params()
-        o, req = self._flow.orch, self._req
-        body = dict(req.body)
-        body["kv_transfer_params"] = params
+        o = self._flow.orch
         self._stack.enter_context(o.pool.track(self._d_ep))
         self._claimed = True
-        stream = await o.engines.open_stream(self._d_ep.url, req.path, _json_encode(body),
-                                             req.engine_headers)
-        self._stack.callback(stream.close)
+        stream = await open_continuation(o.engines, self._req, self._d_ep.url, params,
+                                         self._stack)
         async for chunk in stream.chunks():
             yield chunk
 

@@ -25,8 +25,6 @@ import time
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
-import msgspec
-
 from router.early_token import eligible, first_token_ids, head_chunks
 from router.engines import EngineStream
 from router.errors import EngineError, EngineRejected, RouterError
@@ -36,6 +34,7 @@ from router.flows_common import (
     KVInfoCache,
     PrefillLeg,
     decode_leg_body,
+    open_continuation,
     prefill_leg_body,
     relay,
     rewrite_reply_usage,
@@ -50,7 +49,6 @@ __all__ = ["PushFlow"]
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 MODE = "push"
-_json_encode = msgspec.json.Encoder().encode
 
 
 class PushFlow:
@@ -113,24 +111,28 @@ class PushFlow:
         usage = watch.leg.usage() if watch.pushed else None
         return raw if usage is None else rewrite_reply_usage(raw, usage)
 
-    async def _open_decode(self, req: ClientRequest, d_ep: Endpoint, body: bytes,
-                           watch: _Watch, t0: float) -> StreamResult:
-        o = self.orch
+    async def _open_watched(self, req: ClientRequest, d_ep: Endpoint, body: bytes,
+                            watch: _Watch) -> tuple[EngineStream, contextlib.ExitStack]:
+        """D's stream, opened while watching P; the stack closes it (and D's slot)."""
         stack = contextlib.ExitStack()
-        stack.enter_context(o.pool.track(d_ep))
+        stack.enter_context(self.orch.pool.track(d_ep))
         opening = asyncio.create_task(
-            o.engines.open_stream(d_ep.url, req.path, body, req.engine_headers))
+            self.orch.engines.open_stream(d_ep.url, req.path, body, req.engine_headers))
         try:
             stream = await watch.run(opening)
         except BaseException:
             stack.close()
             raise
-        stack.callback(stream.close)
+        stack.callback(stream.close)  # closing it also tells D to drop its registration
+        return stream, stack
+
+    async def _open_decode(self, req: ClientRequest, d_ep: Endpoint, body: bytes,
+                           watch: _Watch, t0: float) -> StreamResult:
+        stream, stack = await self._open_watched(req, d_ep, body, watch)
         stack.callback(watch.leg.cancel)  # a no-op once P has answered
         source = _WatchedStream(stream, watch)
-        chunks = relay(source, watch.leg, o.metrics, t0, MODE, req.wants_usage_chunks)
+        chunks = relay(source, watch.leg, self.orch.metrics, t0, MODE, req.wants_usage_chunks)
         return StreamResult(chunks, stack.close)
-
 
     async def _stream_early(self, req: ClientRequest, d_ep: Endpoint, body: bytes,
                             watch: _Watch, t0: float) -> StreamResult:
@@ -138,13 +140,8 @@ class PushFlow:
         the client's stream with P's token and relay D's continuation (D failing to learn
         the token: it continues after it by recomputing). P pushing nothing: a plain D leg."""
         o = self.orch
-        stack = contextlib.ExitStack()
-        stack.enter_context(o.pool.track(d_ep))
-        opening = asyncio.create_task(
-            o.engines.open_stream(d_ep.url, req.path, body, req.engine_headers))
+        stream, stack = await self._open_watched(req, d_ep, body, watch)
         try:
-            stream = await watch.run(opening)
-            stack.callback(stream.close)  # closing it tells D to drop its registration
             await asyncio.wait({watch.leg.task})
             watch.prefill_done()
         except BaseException:
@@ -193,11 +190,8 @@ class _Continuation:
                         "engine's token with its KV (%s); recomputing", req.request_id,
                         exc.message)
             metrics.early_tokens.labels("recompute").inc()
-            body = dict(req.body)
-            body["kv_transfer_params"] = {"first_token_ids": self._ids}
-            stream = await o.engines.open_stream(self._d_ep.url, req.path,
-                                                 _json_encode(body), req.engine_headers)
-            self._stack.callback(stream.close)
+            stream = await open_continuation(o.engines, req, self._d_ep.url,
+                                             {"first_token_ids": self._ids}, self._stack)
         async for chunk in stream.chunks():
             yield chunk
 

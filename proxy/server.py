@@ -1,4 +1,4 @@
-"""`NotifyServer`: the zmq.asyncio PULL socket that feeds KV-ready messages to the waiters.
+"""`NotifyServer`: the zmq PULL socket that feeds KV-ready messages to the waiters.
 
 Runs inside its owner's event loop: the router's lifespan (``async with NotifyServer(...)``)
 or the standalone ``python -m proxy``. No HTTP, no engine logic.
@@ -17,11 +17,17 @@ import zmq
 import zmq.asyncio
 
 from proxy.config import ProxyConfig
+from proxy.memory import heap_trimmer
 from proxy.metrics import ProxyMetrics
 from proxy.waiters import WaiterTable
 from proxy.wire import FrameDecoder, KVReady, WireError
 
 log = logging.getLogger(__name__)
+
+
+def _pollin(sock: zmq.Socket[bytes]) -> bool:
+    events = sock.getsockopt(zmq.EVENTS)
+    return isinstance(events, int) and bool(events & zmq.POLLIN)
 
 _PORT_ZERO = re.compile(r":0$")
 
@@ -44,6 +50,7 @@ class NotifyServer:
         self.waiters = table if table is not None else WaiterTable(
             ttl_s=config.ttl_s, max_waiters=config.max_waiters, max_early=config.max_early,
             max_early_bytes=config.max_early_bytes, metrics=self.metrics,
+            on_drained=heap_trimmer(),
         )
         self._decoder = FrameDecoder(config.secret_bytes())
         self._own_ctx = context is None
@@ -115,30 +122,43 @@ class NotifyServer:
         await self.close()
 
     async def _recv_loop(self, sock: zmq.asyncio.Socket) -> None:
-        # After one awaited receive, drain what is already queued through the synchronous
-        # shadow socket (no future per frame), up to `batch` frames, then yield so woken
-        # waiters run before the next batch: throughput without starving the wake path.
-        # The explicit sleep(0) matters: awaiting an already-completed receive does not
-        # yield to the event loop, so under a steady stream nothing else would ever run.
+        # The socket is read synchronously (a shadow, NOBLOCK) whenever its FD signals, up
+        # to `batch` frames, then the loop yields so woken waiters run before the next
+        # batch. No zmq.asyncio future per receive: under a flood those futures' leftovers
+        # were spread over the allocator's arenas and kept ~40 MiB from being returned
+        # after the reaper emptied the table (bench/proxy.py); this way RSS comes back.
         shadow: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-        batch = self.config.batch
-        while True:
-            try:
-                frames = await sock.recv_multipart()
-            except zmq.ZMQError as exc:
-                if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
-                    return
-                log.warning("KV-ready proxy receive failed: %s", exc)
-                await asyncio.sleep(0.01)  # transient; do not spin on a persistent error
-                continue
-            self._handle(frames, time.perf_counter())
-            for _ in range(batch - 1):
+        loop = asyncio.get_running_loop()
+        readable = asyncio.Event()
+        fd = int(shadow.getsockopt(zmq.FD))  # type: ignore[arg-type]  # an int option
+        loop.add_reader(fd, readable.set)
+        try:
+            while True:
                 try:
-                    frames = shadow.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                self._handle(frames, time.perf_counter())
-            await asyncio.sleep(0)
+                    if self._drain(shadow) or _pollin(shadow):
+                        await asyncio.sleep(0)
+                        continue
+                    readable.clear()
+                    if not _pollin(shadow):  # the FD is edge-triggered: re-check, then wait
+                        await readable.wait()
+                except zmq.ZMQError as exc:
+                    if exc.errno in (zmq.ETERM, zmq.ENOTSOCK):
+                        return
+                    log.warning("KV-ready proxy receive failed: %s", exc)
+                    await asyncio.sleep(0.01)  # transient; do not spin on a persistent error
+        finally:
+            with contextlib.suppress(ValueError, OSError):
+                loop.remove_reader(fd)
+
+    def _drain(self, shadow: zmq.Socket[bytes]) -> bool:
+        """Handle up to `batch` queued frames; True when the batch filled (more may wait)."""
+        for _ in range(self.config.batch):
+            try:
+                frames = shadow.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            self._handle(frames, time.perf_counter())
+        return True
 
     def _handle(self, frames: list[bytes], received: float) -> None:
         self.frames_received += 1

@@ -56,14 +56,20 @@ class WaiterTable:
         max_early / max_early_bytes: caps on held early arrivals (count, payload bytes).
         metrics: where to count; a private registry when omitted.
         clock: monotonic clock in seconds for TTLs (injectable for tests).
+        on_drained: called when the reaper has emptied a table that held at least
+            `drained_min` early arrivals (the server returns the freed heap to the OS).
     """
 
     def __init__(
         self, *, ttl_s: float = 60.0, max_waiters: int = 100_000, max_early: int = 100_000,
         max_early_bytes: int = 64 << 20, metrics: ProxyMetrics | None = None,
         clock: Callable[[], float] = time.monotonic,
+        on_drained: Callable[[], None] | None = None, drained_min: int = 10_000,
     ) -> None:
         self._ttl = ttl_s
+        self._on_drained = on_drained
+        self._drained_min = drained_min
+        self._early_peak = 0  # most early arrivals held since the table was last empty
         self._max_waiters = max_waiters
         self._max_early = max_early
         self._max_early_bytes = max_early_bytes
@@ -231,8 +237,12 @@ class WaiterTable:
     def _shrink(self) -> None:
         # Python dicts never shrink on deletion; after a flood has drained, start fresh maps
         # so their (possibly large) hash tables go back to the allocator.
+        self._early_peak = max(self._early_peak, len(self._early))
         if not self._early:
             self._early = OrderedDict()
+            if self._early_peak >= self._drained_min and self._on_drained is not None:
+                self._on_drained()
+            self._early_peak = 0
         if not self._waiters:
             self._waiters = {}
 

@@ -195,6 +195,23 @@ async def test_reap_drops_expired_entries_only() -> None:
     assert (t.waiter_count(), t.early_count(), t.early_bytes()) == (0, 0, 0)
 
 
+def test_a_drained_flood_hands_memory_back_once() -> None:
+    drained: list[int] = []
+    t, _, clock = table(ttl_s=10, drained_min=3, on_drained=lambda: drained.append(1))
+    for i in range(2):  # a small burst: nothing to hand back
+        deliver(t, ready(f"small-{i}"))
+    t.reap(clock.now + 11)
+    assert drained == []
+    for i in range(5):  # a flood
+        deliver(t, ready(f"flood-{i}"))
+    t.reap()  # still young: held
+    assert drained == [] and t.early_count() == 5
+    t.reap(clock.now + 11)
+    assert drained == [1] and t.early_count() == 0
+    t.reap(clock.now + 50)  # empty stays empty: no second call
+    assert drained == [1]
+
+
 async def test_size_gauges_read_the_table() -> None:
     t, m, _ = table()
     t.register("a")

@@ -161,6 +161,22 @@ async def test_ten_thousand_concurrent_waiters(server: NotifyServer,
     assert sample(server, "pdgate_proxy_wake_latency_seconds_count") == 10_000
 
 
+async def test_bursts_after_idle_gaps_all_wake(server: NotifyServer,
+                                                 sender: NotifySender) -> None:
+    """The loop sleeps on the socket's edge-triggered FD between bursts: every burst, of
+    any size around the batch, must still be read in full (no lost edge, no hang)."""
+    batch = server.config.batch
+    for round_, size in enumerate((1, 2, batch - 1, batch, batch + 1, 3 * batch + 7, 1)):
+        rids = [f"b{round_}-{i}" for i in range(size)]
+        for rid in rids:
+            server.waiters.register(rid)
+        tasks = [asyncio.create_task(server.waiters.wait(rid, timeout=10)) for rid in rids]
+        await asyncio.sleep(0.05)  # idle: the loop is parked on the FD
+        for rid in rids:
+            assert sender.send(server.endpoint, ok(rid))
+        assert [m.request_id for m in await asyncio.gather(*tasks)] == rids
+
+
 async def test_sender_in_another_process(make_server: ServerFactory) -> None:
     server = await make_server(notify_secret=SECRET)
     server.waiters.register("xp-1")

@@ -131,8 +131,17 @@ class PushFlow:
         stream, stack = await self._open_watched(req, d_ep, body, watch)
         stack.callback(watch.leg.cancel)  # a no-op once P has answered
         source = _WatchedStream(stream, watch)
+        stack.callback(self._release_prefill_unless, source, watch)
         chunks = relay(source, watch.leg, self.orch.metrics, t0, MODE, req.wants_usage_chunks)
         return StreamResult(chunks, stack.close)
+
+    def _release_prefill_unless(self, source: _WatchedStream | _Continuation,
+                                watch: _Watch) -> None:
+        """On the stream's close: unless D's stream ran to its end (so the push happened, or
+        D gave up on it), P may still hold the prompt's blocks for a registration that will
+        not come (the client left first): tell P to free them now, not at its TTL."""
+        if not source.finished:
+            self.aborter.abort(watch.p_ep, watch.req.request_id, watch.req.engine_headers)
 
     async def _stream_early(self, req: ClientRequest, d_ep: Endpoint, body: bytes,
                             watch: _Watch, t0: float) -> StreamResult:
@@ -158,6 +167,7 @@ class PushFlow:
                                            watch, t0)
         head = head_chunks(reply, req.kind == "chat", req.wants_usage_chunks)
         source = _Continuation(self, req, d_ep, head, ids, stream, stack)
+        stack.callback(self._release_prefill_unless, source, watch)
         chunks = relay(source, watch.leg, o.metrics, t0, MODE, req.wants_usage_chunks)
         return StreamResult(chunks, stack.close)
 
@@ -176,6 +186,7 @@ class _Continuation:
         self._ids = ids
         self._stream = stream
         self._stack = stack
+        self.finished = False  # D's stream was read to its end
 
     async def chunks(self) -> AsyncIterator[bytes]:
         if self._head:
@@ -194,6 +205,7 @@ class _Continuation:
                                              {"first_token_ids": self._ids}, self._stack)
         async for chunk in stream.chunks():
             yield chunk
+        self.finished = True
 
 
 class _Watch:
@@ -253,6 +265,7 @@ class _WatchedStream:
     def __init__(self, stream: EngineStream, watch: _Watch) -> None:
         self._stream = stream
         self._watch = watch
+        self.finished = False  # read to its end
 
     async def chunks(self) -> AsyncIterator[bytes]:
         it = aiter(self._stream.chunks())
@@ -266,6 +279,7 @@ class _WatchedStream:
                         self._watch.prefill_done()
                 chunk = await nxt
             except StopAsyncIteration:
+                self.finished = True
                 return
             except BaseException:
                 nxt.cancel()

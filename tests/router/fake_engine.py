@@ -57,6 +57,7 @@ class FakeEngine:
     fail_kv_loads: bool = False
     delay_s: float = 0.0  # before answering a completion
     token_delay_s: float = 0.0  # between streamed tokens (none before the first)
+    first_token_delay_s: float = 0.0  # after the stream's headers, before its first token
     health_status: int = 200
     requests: list[Recorded] = field(default_factory=list)
     aborted_streams: int = 0
@@ -239,6 +240,8 @@ class FakeEngine:
             for i, tok in enumerate(self.tokens):
                 if i and self.token_delay_s:
                     await self._pause(self.token_delay_s)
+                elif not i and self.first_token_delay_s:
+                    await self._pause(self.first_token_delay_s)
                 await _send(resp, _chunk(chat, tok))
             if opts.get("include_usage"):
                 final = _chunk(chat, None)

@@ -4,6 +4,7 @@ whose first token could differ on D keep the plain flow."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
@@ -176,3 +177,25 @@ async def test_push_without_kv_from_p_runs_a_plain_decode_leg(
     assert _texts(_events(resp.text)) == ["Hello", " world", "!"]  # nothing from P
     assert "kv_transfer_params" not in d.decodes[-1].body
     await _until(lambda: "rid-np" in d.aborts)
+
+
+async def test_push_client_leaving_after_p_token_frees_p_blocks(
+        make_engine: MakeEngine, start_router: StartRouter) -> None:
+    """P holds the prompt's blocks until D registers; a client that leaves before D's
+    stream ended must not leave them pinned until P's TTL."""
+    p, d, router = await _push(make_engine, start_router, first_token_delay_s=2.0)
+    async with router.client.stream("POST", "/v1/completions", json=BODY,
+                                    headers={"X-Request-Id": "rid-gone"}) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                break  # P's token arrived; the client walks away
+    await _until(lambda: "rid-gone" in p.aborts)
+
+
+async def test_push_finished_stream_does_not_abort_p(
+        make_engine: MakeEngine, start_router: StartRouter) -> None:
+    p, d, router = await _push(make_engine, start_router)
+    resp = await router.client.post("/v1/completions", json=BODY)
+    assert resp.status_code == 200
+    await asyncio.sleep(0.2)
+    assert p.aborts == []

@@ -6,7 +6,9 @@ register the KV-ready waiter → send P the prefill with D's blocks, side channe
 router's proxy endpoint (P's HTTP reply is not awaited: it runs in the background and only
 its failure matters) → await KV-ready (deadline `kv_ready_timeout_s`) → send D the decode
 leg naming the reservation. TTFT ≈ prefill + WRITE + one notification, no HTTP round trip
-and no serial READ between the legs.
+and no serial READ between the legs. Streams that qualify (router/early_token.py) do await
+P's reply: its token opens the client's stream at once (TTFT ≈ prefill + one hop) and the
+decode leg asks D to continue after it.
 
 Failures before the decode leg: P's error, a `failed` KV-ready, or the deadline end the
 request with a clear 502/504; P is told to abort and D's reservation is released, so no

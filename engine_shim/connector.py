@@ -445,8 +445,11 @@ class KVConnector:
                 self._spawn_write(match)
             else:
                 self._thread.wake()  # D's registration is coming: poll for it
+        # first_token_ids: the router may stream P's token at once and have D continue
+        # after it.
         return {"pdgate_mode": mode, "do_remote_prefill": False, "do_remote_decode": False,
-                "remote_engine_id": self.engine_id, "num_tokens": num_tokens}
+                "remote_engine_id": self.engine_id, "num_tokens": num_tokens,
+                "first_token_ids": list(first_token_ids)}
 
     def _spawn_write(self, match: Match) -> None:
         self._writing_blocks += len(match.block_ids)
@@ -562,17 +565,14 @@ class KVConnector:
     def expect_landing(self, tag: str) -> None:
         """D: a WRITE tagged `tag` is coming (keep UCX progressing for it, fast: the WRITE
         and its notice need our progress to complete)."""
-        fut = self._landing(tag)
-        with self._landings_lock:
-            if not fut.done():
-                self._expected.add(tag)
-        self._thread.wake()
+        self._expect(tag)
 
-    def _await_starts(self, tag: str) -> Future[tuple[int, ...]]:
+    def _expect(self, tag: str) -> Future[tuple[int, ...]]:
         fut = self._landing(tag)
         with self._landings_lock:
             if not fut.done():
-                self._expected.add(tag)  # poll fast while someone waits for it
+                self._expected.add(tag)  # poll fast until it lands
+        self._thread.wake()
         return fut
 
     def forget_landing(self, tag: str) -> None:
@@ -584,7 +584,7 @@ class KVConnector:
         """D: wait (at most `timeout` s) for P's notice that the WRITE tagged `tag` landed
         (NIXL delivers it after the data). The tokens P named in it (maybe none) when it
         did, None when not; the entry is then forgotten."""
-        fut = self._await_starts(tag)
+        fut = self._expect(tag)
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout)
         except (TimeoutError, KVTransferError):

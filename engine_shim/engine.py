@@ -450,7 +450,7 @@ class Engine:
             self._no_prefill_token(seq)
             self._kv_load_failed(seq)
             return
-        if _continues_after_prefill(seq):
+        if seq.req.continue_after_prefill:
             vocab = self.model.config.vocab_size
             if not tokens or len(tokens) >= seq.req.max_tokens or \
                     not all(0 <= t < vocab for t in tokens):
@@ -462,7 +462,7 @@ class Engine:
     def _no_prefill_token(self, seq: Sequence) -> None:
         """A decode asked to continue after P's token cannot learn that token: fail it (the
         router, which streamed P's token, continues it elsewhere) instead of sampling anew."""
-        if _continues_after_prefill(seq):
+        if seq.req.continue_after_prefill:
             self.metrics.requests.labels(role="decode", status="kv_load_failed").inc()
             raise KVLoadFailed(f"request {seq.req.request_id}: no token from the prefill "
                                "engine to continue after (its KV push did not land)")
@@ -551,13 +551,7 @@ class Engine:
         if seq.req.role is not KVRole.PREFILL or seq.finish_reason != "length":
             return final
         params = self._hand_over(seq)
-        if params is None:
-            return final
-        if mode_of(seq.req.remote) is not None:
-            # pdgate flows: the router may stream P's token at once and have D continue
-            # after it (`first_token_ids` of the decode leg).
-            params = {**params, "first_token_ids": seq.token_ids[seq.num_prompt:]}
-        return dataclasses.replace(final, kv_transfer_params=params)
+        return final if params is None else dataclasses.replace(final, kv_transfer_params=params)
 
     def _hand_over(self, seq: Sequence) -> dict[str, Any] | None:
         """Give the prompt's blocks to the connector's lease; the params for the reply."""
@@ -646,11 +640,6 @@ class RequestStream:
                 raise item
             self._done = item.finish_reason is not None
             yield item
-
-
-def _continues_after_prefill(seq: Sequence) -> bool:
-    remote = seq.req.remote
-    return isinstance(remote, Mapping) and remote.get("continue_after_prefill") is True
 
 
 def _reusable(seq: Sequence, received_tokens: int) -> int:

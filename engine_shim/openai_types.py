@@ -328,10 +328,16 @@ _DECODE_REQUIRES: dict[str | None, tuple[str, ...]] = {
 
 
 def kv_transfer_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
-    """Type-check `kv_transfer_params`; None when absent or asking for neither role."""
-    params = _convert_kv_params(raw)
-    if params is None:
+    """Type-check `kv_transfer_params` (None when absent). A request asking for neither
+    role may still carry `first_token_ids`."""
+    if raw is None:
         return None
+    try:
+        params = msgspec.convert(raw, KVTransferParams)
+    except msgspec.ValidationError as e:
+        match = re.search(r"at `\$\.([A-Za-z_]+)", str(e))
+        field = f"kv_transfer_params.{match.group(1)}" if match else "kv_transfer_params"
+        raise RequestError(f"invalid kv_transfer_params: {e}", param=field) from e
     if params.do_remote_decode and params.do_remote_prefill:
         raise RequestError(
             "kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive",
@@ -354,15 +360,13 @@ def kv_transfer_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
         if any(b < 0 for b in params.remote_block_ids or []):
             raise RequestError("kv_transfer_params.remote_block_ids must be >= 0",
                                param="kv_transfer_params.remote_block_ids")
-    if not (params.do_remote_decode or params.do_remote_prefill):
-        return None
     return params
 
 
-def first_token_ids(raw: dict[str, Any] | None, vocab_size: int, budget: int) -> tuple[int, ...]:
-    """`kv_transfer_params.first_token_ids` (any role, also without a transfer): tokens
+def first_token_ids(params: KVTransferParams | None, vocab_size: int,
+                    budget: int) -> tuple[int, ...]:
+    """`first_token_ids` of checked params (any role, also without a transfer): tokens
     already generated and delivered; at least one token must be left to generate."""
-    params = _convert_kv_params(raw)
     ids = tuple(params.first_token_ids or ()) if params is not None else ()
     if ids and params is not None and params.do_remote_decode:
         raise RequestError("kv_transfer_params.first_token_ids is for the decode leg",
@@ -375,14 +379,3 @@ def first_token_ids(raw: dict[str, Any] | None, vocab_size: int, budget: int) ->
         raise RequestError(f"kv_transfer_params.first_token_ids out of range [0, {vocab_size})",
                            param="kv_transfer_params.first_token_ids")
     return ids
-
-
-def _convert_kv_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
-    if raw is None:
-        return None
-    try:
-        return msgspec.convert(raw, KVTransferParams)
-    except msgspec.ValidationError as e:
-        match = re.search(r"at `\$\.([A-Za-z_]+)", str(e))
-        field = f"kv_transfer_params.{match.group(1)}" if match else "kv_transfer_params"
-        raise RequestError(f"invalid kv_transfer_params: {e}", param=field) from e

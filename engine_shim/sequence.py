@@ -76,7 +76,8 @@ class GenerateRequest:
     `kv_transfer_params` of a DECODE-role request (opaque to the engine, given to the
     connector's `pull`). `first_token_ids` continue a generation begun elsewhere: tokens the
     prefill engine sampled and the client already has; they count as output (max_tokens,
-    usage) but their text is not sent again."""
+    usage) but their text is not sent again. `continue_after_prefill` (a push decode leg)
+    asks to continue after the token(s) P's landed notice names, instead of sampling."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -90,6 +91,12 @@ class GenerateRequest:
     remote: Any = None
     remote_block_ids: tuple[int, ...] = ()
     first_token_ids: tuple[int, ...] = ()
+    continue_after_prefill: bool = False
+
+    @property
+    def continues_stream(self) -> bool:
+        """The client's stream already holds this request's opening (P's token, role)."""
+        return bool(self.first_token_ids) or self.continue_after_prefill
 
 
 @dataclass(frozen=True)

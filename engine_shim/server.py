@@ -181,7 +181,7 @@ async def _serve(
     headers = {"X-Request-Id": gen.request_id}
     if req.stream:
         return _ClosingStreamingResponse(
-            stream, _sse_events(stream, head, chat, _continues(gen)),
+            stream, _sse_events(stream, head, chat, gen.continues_stream),
             media_type="text/event-stream",
             headers=headers,
         )
@@ -212,8 +212,10 @@ def _generate_request(
         )
     params = ot.kv_transfer_params(req.kv_transfer_params)
     role = KVRole.NONE
-    if params is not None:
-        role = KVRole.PREFILL if params.do_remote_decode else KVRole.DECODE
+    if params is not None and params.do_remote_decode:
+        role = KVRole.PREFILL
+    elif params is not None and params.do_remote_prefill:
+        role = KVRole.DECODE
     gen = GenerateRequest(
         request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
         prompt_ids=tuple(prompt_ids),
@@ -225,9 +227,11 @@ def _generate_request(
         ignore_eos=req.ignore_eos,
         role=role,
         remote=req.kv_transfer_params if role is not KVRole.NONE else None,
-        remote_block_ids=tuple(params.remote_block_ids or []) if params else (),
-        first_token_ids=ot.first_token_ids(req.kv_transfer_params,
-                                           engine.model.config.vocab_size, budget),
+        remote_block_ids=tuple(params.remote_block_ids or [])
+        if params is not None and role is not KVRole.NONE else (),
+        first_token_ids=ot.first_token_ids(params, engine.model.config.vocab_size, budget),
+        continue_after_prefill=params is not None and role is KVRole.DECODE
+        and params.continue_after_prefill,
     )
     return gen, req.model or names[0]
 
@@ -302,12 +306,6 @@ class _ClosingStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._engine_stream.close()
-
-
-def _continues(gen: GenerateRequest) -> bool:
-    """The stream continues one the client already has (opened with P's token)."""
-    remote = gen.remote if isinstance(gen.remote, dict) else {}
-    return bool(gen.first_token_ids) or remote.get("continue_after_prefill") is True
 
 
 def _check_token_ids(engine: Engine, ids: list[int], param: str = "prompt") -> list[int]:

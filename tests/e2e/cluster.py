@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -184,6 +185,16 @@ async def burst(c: Cluster, prompts: list[str], *, full: int, abandoned: int,
 
         await asyncio.gather(*(complete(i) for i in range(full)),
                              *(walk_away(i) for i in range(abandoned)))
+
+
+def complete(url: str, prompt: str, max_tokens: int = 24,
+             headers: dict[str, str] | None = None, **extra: object) -> dict[str, Any]:
+    """A greedy, EOS-ignoring completion from `url` (router or engine); asserts a 200."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **extra}
+    resp = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120.0)
+    assert resp.status_code == 200, resp.text
+    return dict(resp.json())
 
 
 def pool_states(c: Cluster) -> list[tuple[float, float, float]]:

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from engine_shim.kv_layout import LAYOUTS
-from tests.e2e.cluster import Cluster, burst, metric, start_cluster, wait_pools_full
+from tests.e2e.cluster import Cluster, burst, complete, metric, start_cluster, wait_pools_full
 
 pytestmark = pytest.mark.slow
 
@@ -76,14 +76,6 @@ def running(request: pytest.FixtureRequest, tiny_model_dir: Path,
     c.stop()
 
 
-def _complete(url: str, prompt: str, max_tokens: int = 24, **headers: str) -> dict:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True}
-    resp = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120.0)
-    assert resp.status_code == 200, resp.text
-    return dict(resp.json())
-
-
 def _moved(r: Running) -> float:
     """NIXL bytes: D's READs in pull mode, P's WRITEs in notify/push."""
     if r.setup.mode == "pull":
@@ -103,9 +95,9 @@ def test_greedy_output_equals_colocated_and_moves_the_expected_bytes(
         running: Running, prompt: str) -> None:
     c = running.cluster
     before = _moved(running)
-    via_router = _complete(c.router, prompt)
+    via_router = complete(c.router, prompt)
     moved = _moved(running) - before
-    colocated = _complete(c.decode[0], prompt)
+    colocated = complete(c.decode[0], prompt)
     assert via_router["choices"][0]["text"] == colocated["choices"][0]["text"]
     n = colocated["usage"]["prompt_tokens"]
     assert via_router["usage"]["prompt_tokens"] == n
@@ -117,7 +109,7 @@ def test_decode_device_holds_exactly_the_prefill_prompt_kv(running: Running) -> 
     equal only if every copy and the mapping put each byte in the right place."""
     c = running.cluster
     rid = f"digest-{time.monotonic_ns()}"
-    _complete(c.router, PROMPTS[2], max_tokens=4, **{"X-Request-Id": rid})
+    complete(c.router, PROMPTS[2], max_tokens=4, headers={"X-Request-Id": rid})
     held = httpx.get(c.prefill[0] + "/debug/kv_transfers", timeout=5).json()["transfers"]
     got = httpx.get(c.decode[0] + "/debug/kv_transfers", timeout=5).json()["transfers"]
     p = next(t for t in held if t["request_id"].startswith(rid))

@@ -20,6 +20,7 @@ from tests.e2e.cluster import (
     Cluster,
     burst,
     child_pids,
+    complete,
     metric,
     start_cluster,
     wait_pools_full,
@@ -47,14 +48,6 @@ def cluster(request: pytest.FixtureRequest, tiny_model_dir: Path,
     c.stop()
 
 
-def _complete(url: str, prompt: str, max_tokens: int = 24, **extra: object) -> dict:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, **extra}
-    resp = httpx.post(url + "/v1/completions", json=body, timeout=120.0)
-    assert resp.status_code == 200, resp.text
-    return dict(resp.json())
-
-
 def _write_bytes(c: Cluster) -> float:
     return metric(c.prefill[0], "pdgate_shim_kv_transfer_bytes_total", 'op="write"')
 
@@ -62,9 +55,9 @@ def _write_bytes(c: Cluster) -> float:
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["1-block", "3-blocks", "many-blocks"])
 def test_greedy_output_equals_colocated(cluster: Cluster, prompt: str) -> None:
     before = _write_bytes(cluster)
-    via_router = _complete(cluster.router, prompt)
+    via_router = complete(cluster.router, prompt)
     written = _write_bytes(cluster) - before
-    colocated = _complete(cluster.decode[0], prompt)
+    colocated = complete(cluster.decode[0], prompt)
     assert via_router["choices"][0]["text"] == colocated["choices"][0]["text"]
     assert via_router["usage"]["prompt_tokens"] == colocated["usage"]["prompt_tokens"]
     n_blocks = -(-colocated["usage"]["prompt_tokens"] // 4)
@@ -94,7 +87,7 @@ def test_streamed_greedy_output_equals_colocated(cluster: Cluster, prompt: str) 
     early = 'result="kv"'
     before = metric(cluster.router, "pdgate_early_first_tokens_total", early)
     streamed, usage = _stream(cluster.router, prompt)
-    colocated = _complete(cluster.decode[0], prompt)
+    colocated = complete(cluster.decode[0], prompt)
     assert streamed == colocated["choices"][0]["text"]
     assert usage["completion_tokens"] == 24
     assert usage["prompt_tokens"] == colocated["usage"]["prompt_tokens"]
@@ -228,7 +221,7 @@ def test_notify_without_kv_ready_fails_by_the_deadline_and_leaks_nothing(
     wait_pools_full(c)
     assert metric(c.prefill[0], "pdgate_shim_kv_transfer_bytes_total", 'op="write"') == 0
     assert metric(c.router, "pdgate_proxy_waiters") == 0
-    ok = _complete(c.router, PROMPTS[0], max_tokens=4)  # and the cluster still serves
+    ok = complete(c.router, PROMPTS[0], max_tokens=4)  # and the cluster still serves
     assert ok["usage"]["completion_tokens"] == 4
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster, burst, metric, start_cluster, wait_pools_full
+from tests.e2e.cluster import Cluster, burst, complete, metric, start_cluster, wait_pools_full
 
 pytestmark = pytest.mark.slow
 
@@ -31,14 +31,6 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
     c = start_cluster(tmp_path_factory.mktemp("pd"), tiny_model_dir)
     yield c
     c.stop()
-
-
-def _complete(url: str, prompt: str, max_tokens: int = 24, **extra: object) -> dict:
-    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, **extra}
-    resp = httpx.post(url + "/v1/completions", json=body, timeout=120.0)
-    assert resp.status_code == 200, resp.text
-    return dict(resp.json())
 
 
 def test_openai_sdk_completions_chat_and_streaming(cluster: Cluster) -> None:
@@ -70,9 +62,9 @@ def test_openai_sdk_completions_chat_and_streaming(cluster: Cluster) -> None:
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["1-block", "3-blocks", "many-blocks"])
 def test_disaggregated_greedy_equals_colocated(cluster: Cluster, prompt: str) -> None:
     read_before = metric(cluster.decode[0], "pdgate_shim_kv_transfer_bytes_total", "read")
-    via_router = _complete(cluster.router, prompt)
+    via_router = complete(cluster.router, prompt)
     read_bytes = metric(cluster.decode[0], "pdgate_shim_kv_transfer_bytes_total", "read")
-    colocated = _complete(cluster.decode[0], prompt)
+    colocated = complete(cluster.decode[0], prompt)
     assert via_router["choices"][0]["text"] == colocated["choices"][0]["text"]
     assert via_router["usage"]["prompt_tokens"] == colocated["usage"]["prompt_tokens"]
     # D read exactly the prompt's blocks: every layer, K and V.

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +95,24 @@ async def serve(config: RouterConfig, tokenizer: PromptTokenizer) -> AsyncIterat
         server.should_exit = True
         await task
         sock.close()
+
+
+async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll `cond` until it holds; fail the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
+
+
+def sse_events(text: str) -> list[Any]:
+    """The events of an SSE body: JSON objects, and "[DONE]" as a string."""
+    events: list[Any] = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            payload = block[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+    return events
 
 
 @pytest.fixture

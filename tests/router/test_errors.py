@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from tests.router.conftest import MODEL, RunningRouter
+from tests.router.conftest import MODEL, RunningRouter, sse_events
 from tests.router.fake_engine import FakeEngine
-from tests.router.test_pull_flow import PD, sse_events
+from tests.router.test_pull_flow import PD
 
 MakeEngine = Callable[..., Awaitable[FakeEngine]]
 StartRouter = Callable[..., Awaitable[RunningRouter]]

@@ -5,12 +5,10 @@ whose first token could differ on D keep the plain flow."""
 from __future__ import annotations
 
 import asyncio
-import json
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tests.router.conftest import MODEL, RunningRouter
+from tests.router.conftest import MODEL, RunningRouter, sse_events, until
 from tests.router.fake_engine import FakeEngine
 
 MakeEngine = Callable[..., Awaitable[FakeEngine]]
@@ -29,8 +27,7 @@ async def _cluster(make_engine: MakeEngine, start_router: StartRouter, *,
 
 
 def _events(text: str) -> list[dict[str, Any]]:
-    return [json.loads(line[6:]) for line in text.split("\n")
-            if line.startswith("data: {")]
+    return [e for e in sse_events(text) if isinstance(e, dict)]
 
 
 def _texts(events: list[dict[str, Any]]) -> list[str]:
@@ -84,7 +81,7 @@ async def test_kv_lost_after_the_first_token_has_d_recompute_and_continue(
     # No transfer to use: D computes the prompt, still continuing after P's token.
     assert decode.body["kv_transfer_params"] == {"first_token_ids": [7]}
     assert router.metric("pdgate_early_first_tokens_total", {"result": "recompute"}) == 1
-    await _until(lambda: p.aborts == ["rid-lost"] and d.aborts == ["rid-lost"])
+    await until(lambda: p.aborts == ["rid-lost"] and d.aborts == ["rid-lost"])
 
 
 async def test_requests_whose_first_token_may_differ_keep_the_plain_flow(
@@ -121,14 +118,6 @@ async def test_early_token_can_be_turned_off(
     assert _texts(_events(resp.text)) == ["Hello", " world", "!"]
     assert "first_token_ids" not in d.decodes[0].body["kv_transfer_params"]
 
-
-async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    import asyncio
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 # ---- push mode: D learns P's token from P's landed notice --------------------------------
@@ -176,7 +165,7 @@ async def test_push_without_kv_from_p_runs_a_plain_decode_leg(
     assert resp.status_code == 200
     assert _texts(_events(resp.text)) == ["Hello", " world", "!"]  # nothing from P
     assert "kv_transfer_params" not in d.decodes[-1].body
-    await _until(lambda: "rid-np" in d.aborts)
+    await until(lambda: "rid-np" in d.aborts)
 
 
 async def test_push_client_leaving_after_p_token_frees_p_blocks(
@@ -189,7 +178,7 @@ async def test_push_client_leaving_after_p_token_frees_p_blocks(
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 break  # P's token arrived; the client walks away
-    await _until(lambda: "rid-gone" in p.aborts)
+    await until(lambda: "rid-gone" in p.aborts)
 
 
 async def test_push_finished_stream_does_not_abort_p(

@@ -7,7 +7,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tests.router.conftest import MODEL, RunningRouter
+from tests.router.conftest import MODEL, RunningRouter, until
 from tests.router.fake_engine import FakeEngine
 
 MakeEngine = Callable[..., Awaitable[FakeEngine]]
@@ -70,7 +70,7 @@ async def test_notify_failed_transfer_is_502_and_frees_both_sides(
     assert resp.status_code == 502
     assert "fake write failure" in resp.json()["error"]["message"]
     assert d.decodes == []
-    await _until(lambda: p.aborts == ["rid-f"] and d.aborts == ["rid-f"])
+    await until(lambda: p.aborts == ["rid-f"] and d.aborts == ["rid-f"])
     assert router.metric("pdgate_pd_flow_failures_total",
                          {"mode": "notify", "reason": "transfer_failed"}) == 1
 
@@ -84,7 +84,7 @@ async def test_notify_missing_kv_ready_is_504_at_the_deadline(
                                     headers={"X-Request-Id": "rid-t"})
     assert resp.status_code == 504
     assert "no KV-ready notification" in resp.json()["error"]["message"]
-    await _until(lambda: p.aborts == ["rid-t"] and d.aborts == ["rid-t"])
+    await until(lambda: p.aborts == ["rid-t"] and d.aborts == ["rid-t"])
     assert router.metric("pdgate_proxy_waiters") == 0
 
 
@@ -96,7 +96,7 @@ async def test_notify_prefill_error_ends_the_wait_at_once(
                                     headers={"X-Request-Id": "rid-p"})
     assert resp.status_code == 502
     assert time.monotonic() - t0 < 5  # not the 10 s KV-ready deadline
-    await _until(lambda: d.aborts == ["rid-p"])
+    await until(lambda: d.aborts == ["rid-p"])
     assert d.decodes == []
 
 
@@ -161,14 +161,5 @@ async def test_push_without_kv_from_p_tells_d_to_recompute(
     resp = await router.client.post("/v1/completions", json=BODY,
                                     headers={"X-Request-Id": "rid-np"})
     assert resp.status_code == 200
-    await _until(lambda: d.aborts == ["rid-np"])
+    await until(lambda: d.aborts == ["rid-np"])
     assert router.metric("pdgate_fallbacks_total", {"reason": "no_kv_push"}) == 1
-
-
-async def _until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
-    import asyncio
-
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 import openai
 
-from tests.router.conftest import MODEL, RunningRouter
+from tests.router.conftest import MODEL, RunningRouter, sse_events
 from tests.router.fake_engine import (
     DECODE_PROMPT_TOKENS,
     PREFILL_CACHED_TOKENS,
@@ -25,15 +22,6 @@ EXPECTED_PREFILL_KV = {
     "remote_host": None,
     "remote_port": None,
 }
-
-
-def sse_events(text: str) -> list[Any]:
-    events: list[Any] = []
-    for block in text.split("\n\n"):
-        if block.startswith("data: "):
-            payload = block[len("data: "):]
-            events.append(payload if payload == "[DONE]" else json.loads(payload))
-    return events
 
 
 async def test_prefill_leg_body_matches_the_nixl_contract(pd: PD) -> None:

@@ -5,7 +5,9 @@ lease and returns vLLM-compatible `kv_transfer_params`; the blocks go back to th
 `free_blocks`) when the reader's "done" notification arrives, when the lease expires, or on
 `abort`. D side (decode engine): `pull` handshakes with P's side channel the first time it
 meets an engine id, READs the blocks with NIXL and lets P know (the READ carries the
-notification, delivered after the data).
+notification, delivered after the data). Every NIXL notification is a typed, versioned
+`engine_shim.notices` frame; a peer's bad frame is counted
+(`pdgate_shim_protocol_errors_total{channel="nixl_notice"}`) and dropped, never fatal.
 
 Threads: every NIXL call runs on one `AgentThread` (NIXL is not thread-safe), which also
 polls notifications, in-flight reads and lease expiry: every 0.5 ms while reads are in
@@ -28,8 +30,6 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future, InvalidStateError
 from typing import Protocol, TypeVar
 
-import msgspec
-
 from engine_shim.agent_thread import AgentThread, AgentThreadStopped
 from engine_shim.kv_layout import KVLayout
 from engine_shim.kv_params import PullParams, hold_params, parse_pull_params
@@ -38,20 +38,17 @@ from engine_shim.kv_writer import BlockTransfer
 from engine_shim.leases import Lease, LeaseTable
 from engine_shim.metrics import ShimMetrics
 from engine_shim.nixl_agent import NixlAgent
-from engine_shim.push import (
-    LANDED_PREFIX,
-    REG_PREFIX,
-    UNREG_PREFIX,
-    Match,
-    PendingPushes,
+from engine_shim.notices import (
+    Landed,
+    Notice,
+    NoticeError,
+    ReadDone,
     Registration,
-    decode_registration,
-    encode_registration,
-    landed_notice,
-    mode_of,
-    notify_target,
-    parse_landed,
+    Unregistration,
+    decode_notice,
+    encode_notice,
 )
+from engine_shim.push import Match, PendingPushes, mode_of, notify_target
 from engine_shim.side_channel import (
     HandshakePayload,
     SideChannelServer,
@@ -79,6 +76,9 @@ _LANDING_POLL_S = 0.001  # a request waits for a pushed WRITE's notice (can be a
 _OP = "read"
 _WRITE_OP = "write"
 _MAX_LANDINGS = 65536  # landing notices kept for requests nobody awaits yet (bounded)
+# SideChannelServer results that are a peer's protocol error -> protocol_errors reason.
+_SIDE_CHANNEL_ERRORS = {"malformed_frames": "malformed", "malformed_request": "malformed",
+                        "oversized": "oversized", "internal": "internal"}
 
 
 class KVMemory(Protocol):
@@ -159,8 +159,7 @@ class KVConnector:
             )
             self._server = SideChannelServer(
                 self._host, self._port, payload,
-                on_request=lambda result: self._metrics.handshakes.labels(
-                    result="side_channel_" + result).inc())
+                on_request=self._count_side_channel)
             self._server.start()
         except Exception:
             self.close()
@@ -169,6 +168,14 @@ class KVConnector:
                  self.agent_name, self._host, self._server.port)
         if self._kv.mem_type == "VRAM":  # catch a silently emulated UCX path before serving
             probe_transport("VRAM", self._kv.device_id, self._metrics, name=self.agent_name)
+
+    def _count_side_channel(self, result: str) -> None:
+        """Side-channel thread: every message counts as a handshake result; the ones that
+        could not be served also as protocol errors (`SideChannelServer` results)."""
+        self._metrics.handshakes.labels(result="side_channel_" + result).inc()
+        reason = _SIDE_CHANNEL_ERRORS.get(result)
+        if reason is not None:
+            self._metrics.protocol_errors.labels(channel="side_channel", reason=reason).inc()
 
     def _open_agent(self) -> bytes:
         kv = self._kv
@@ -260,17 +267,9 @@ class KVConnector:
         """Poll notifications, in-flight reads and lease expiry; return the next interval."""
         if self._agent is None or self._reader is None:
             return _IDLE_POLL_S
-        for msgs in self._agent.get_notifs().values():
+        for sender, msgs in self._agent.get_notifs().items():
             for msg in msgs:
-                if msg.startswith(b"pdgate:"):
-                    self._on_push_notice(msg)
-                    continue
-                lease_id = msg.rsplit(b":", 1)[0].decode("utf-8", "replace")
-                lease = self._leases.pop(lease_id)
-                if lease is None:
-                    log.debug("done notice for unknown lease %r", lease_id)
-                else:
-                    self._release([lease], "released")
+                self._on_notice(sender, msg)
         reads_in_flight = self._reader.poll()
         self._release(self._leases.pop_expired(), "expired")
         for rid, blocks in self._pushes.expire():
@@ -342,7 +341,7 @@ class KVConnector:
     async def _read(self, peer: Peer, req: PullParams, local: list[int],
                     num_tokens: int | None) -> int:
         deadline = time.monotonic() + self._transfer_timeout
-        notif = f"{req.request_id}:1".encode()  # vLLM's "<remote_request_id>:<tp_size>"
+        notif = _encode(ReadDone(lease_id=req.request_id))
         done = await self._submit(lambda: self._start_read(
             peer, local, req.block_ids, num_tokens, notif, deadline))
         try:  # the agent thread enforces the deadline; the extra second guards a stuck thread
@@ -487,7 +486,7 @@ class KVConnector:
                          host=t.host, port=t.port, agent_name=t.agent_name)
         peer, _ = await self._peer(req)
         deadline = time.monotonic() + self._transfer_timeout
-        notif = landed_notice(t.tag, m.first_token_ids)
+        notif = _encode(Landed(tag=t.tag, first_token_ids=list(m.first_token_ids)))
         done = await self._submit(lambda: self._start_write(peer, m, notif, deadline))
         try:
             return await asyncio.wait_for(asyncio.wrap_future(done), self._transfer_timeout + 1)
@@ -521,19 +520,45 @@ class KVConnector:
             log.warning("request %s: KV-ready queue to %s is full; notice dropped",
                         m.request_id, t.notify_endpoint)
 
-    def _on_push_notice(self, msg: bytes) -> None:
-        """Agent thread: a registration / unregistration (we are P) or a landing (we are D)."""
-        if msg.startswith(LANDED_PREFIX):
-            self._set_landed(*parse_landed(msg[len(LANDED_PREFIX):]))
-        elif msg.startswith(UNREG_PREFIX):
-            self._pushes.unregister(msg[len(UNREG_PREFIX):].decode("utf-8", "replace"))
-        elif msg.startswith(REG_PREFIX):
-            try:
-                reg = decode_registration(msg)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                log.warning("malformed push registration dropped: %s", e)
-                return
-            match = self._pushes.register(reg)
+    def _on_notice(self, sender: str, frame: bytes) -> None:
+        """Agent thread: one NIXL notification from agent `sender`. A bad one is counted and
+        dropped; nothing in it may stop the rest of the batch (lost "done" notices would pin
+        blocks until their lease expires)."""
+        try:
+            notice = decode_notice(frame)
+        except NoticeError as e:
+            self._protocol_error(e.reason)
+            log.debug("NIXL notification from %s dropped: %s", sender, e)
+            return
+        try:
+            self._dispatch(sender, notice)
+        except Exception:
+            self._protocol_error("internal")
+            log.exception("handling a %s notice from %s failed", type(notice).__name__, sender)
+
+    def _protocol_error(self, reason: str) -> None:
+        self._metrics.protocol_errors.labels(channel="nixl_notice", reason=reason).inc()
+
+    def _dispatch(self, sender: str, notice: Notice) -> None:
+        """A "done" frees a lease (we are P, pull); a landing completes a wait (we are D);
+        registrations (we are P, push) must come from the agent they name, so one peer
+        cannot point our WRITE at another."""
+        if isinstance(notice, ReadDone):
+            lease = self._leases.pop(notice.lease_id)
+            if lease is None:
+                log.debug("done notice for unknown lease %r", notice.lease_id)
+            else:
+                self._release([lease], "released")
+        elif isinstance(notice, Landed):
+            self._set_landed(notice.tag, tuple(notice.first_token_ids))
+        elif isinstance(notice, Unregistration):
+            self._pushes.unregister(notice.request_id)
+        elif notice.agent_name != sender:
+            self._protocol_error("bad_sender")
+            log.warning("push registration naming agent %r came from %r; dropped",
+                        notice.agent_name, sender)
+        else:
+            match = self._pushes.register(notice)
             loop = self._loop
             if match is not None and loop is not None and not loop.is_closed():
                 loop.call_soon_threadsafe(self._spawn_write, match)
@@ -607,8 +632,7 @@ class KVConnector:
             self.expect_landing(request_id)
             reg = Registration(request_id, self.engine_id, self._host, self.side_channel_port,
                                self.agent_name, list(local_block_ids), num_tokens)
-            await self._submit(lambda: self._get_reader().send_notif(
-                peer, encode_registration(reg)))
+            await self._submit(lambda: self._get_reader().send_notif(peer, _encode(reg)))
             tokens = await self.await_landing(request_id, self._transfer_timeout)
             if tokens is None:
                 raise KVTransferError(f"no KV pushed by {req.engine_id} in time",
@@ -633,9 +657,16 @@ class KVConnector:
         def unregister() -> None:
             peer = reader.peer(engine_id)
             if peer is not None:
-                reader.send_notif(peer, UNREG_PREFIX + request_id.encode())
+                reader.send_notif(peer, _encode(Unregistration(request_id=request_id)))
 
         self._thread.submit(unregister)
+
+
+def _encode(notice: Notice) -> bytes:
+    try:
+        return encode_notice(notice)
+    except NoticeError as e:  # an id too long for any peer to accept: fail this transfer
+        raise KVTransferError(f"cannot notify the peer: {e}", reason="params") from e
 
 
 def push_peer_params(params: Mapping[str, object], request_id: str) -> PullParams:

@@ -33,6 +33,8 @@ class ShimMetrics:
     kv_events_published: Counter
     kv_probe_gbps: Gauge
     kv_probe_emulated: Gauge
+    protocol_errors: Counter
+    http_refused: Counter
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ShimMetrics:
@@ -96,5 +98,14 @@ class ShimMetrics:
                 _P + "kv_probe_emulated", "Start-up KV transport probe: 1 looked emulated "
                 "(far below the hardware's speed), 0 not (or not probed), -1 probe failed",
                 registry=reg,
+            ),
+            protocol_errors=Counter(
+                _P + "protocol_errors", "Untrusted frames dropped undecoded or invalid, by "
+                "channel (side_channel, nixl_notice) and reason (oversized, malformed, "
+                "bad_version, bad_sender, internal)", ["channel", "reason"], registry=reg,
+            ),
+            http_refused=Counter(
+                _P + "http_refused", "HTTP requests refused before a handler ran, by reason "
+                "(unauthorized, body_too_large)", ["reason"], registry=reg,
             ),
         )

@@ -8,18 +8,21 @@ Two flows put a `WriteTarget` (where in D the KV goes) next to P's finished bloc
   side channel and the router's KV-ready endpoint, in P's `kv_transfer_params`; the target
   is known when P's prefill ends.
 - push: the router sent both legs at once; D allocates the prompt's blocks and *registers*
-  them with P by a NIXL notification (`REG_PREFIX` + a msgpack `Registration`). P's prefill
+  them with P by a NIXL notification (a `notices.Registration`). P's prefill
   may end before or after the registration arrives: `PendingPushes` keeps whichever comes
   first (bounded, with a TTL) and hands back the pair once both are there.
 
-When the WRITE lands, P's NIXL notification `landed_notice(tag, tokens)` reaches D after the
-data; it names the token(s) P sampled, so a push-mode D asked to `continue_after_prefill`
-can go on after them (the router streamed them to the client from P's reply).
+When the WRITE lands, P's NIXL notification (a `notices.Landed`) reaches D after the data; it
+names the token(s) P sampled, so a push-mode D asked to `continue_after_prefill` can go on
+after them (the router streamed them to the client from P's reply). Every notification's
+encoding lives in `engine_shim/notices.py`.
 
 kv_transfer_params keys (the router writes them; vLLM ignores unknown keys):
     pdgate_mode        "notify" | "push" (absent: vLLM pull)
     notify_endpoint    router proxy's zmq endpoint (P sends KVReady there), optional
     notify_request_id  request id in the KVReady message
+    notify_token       the router's per-request random token, echoed in the KVReady message
+                       (string, at most 128 characters; checked in openai_types)
     write_deadline     notify: wall-clock time after which P must not start the WRITE (the
                        router has given up and D's reservation is going away)
     reservation_id     notify: D's reservation, both legs; push: absent
@@ -41,26 +44,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-import msgspec
-
+from engine_shim.notices import Registration
 from engine_shim.transfer_errors import KVTransferError
 
-REG_PREFIX = b"pdgate:reg:"
-UNREG_PREFIX = b"pdgate:unreg:"
-LANDED_PREFIX = b"pdgate:landed:"
 MODES = ("notify", "push")
-
-
-class Registration(msgspec.Struct, frozen=True):
-    """D -> P (NIXL notification): write request `request_id`'s prompt KV into my blocks."""
-
-    request_id: str
-    engine_id: str
-    host: str
-    port: int
-    agent_name: str
-    block_ids: list[int]
-    num_tokens: int
 
 
 @dataclass(frozen=True)
@@ -77,6 +64,7 @@ class WriteTarget:
     num_tokens: int
     notify_endpoint: str | None = None
     notify_request_id: str | None = None
+    notify_token: str = ""  # echoed in the KVReady message (the router checks it)
     deadline: float | None = None  # wall clock (time.time()); no WRITE may start after it
 
 
@@ -122,6 +110,7 @@ def notify_target(params: Mapping[str, object]) -> WriteTarget:
         num_tokens=_int(params, "num_tokens"),
         notify_endpoint=_opt_str(params, "notify_endpoint"),
         notify_request_id=_opt_str(params, "notify_request_id"),
+        notify_token=_opt_str(params, "notify_token") or "",
         deadline=_opt_float(params, "write_deadline"),
     )
 
@@ -141,16 +130,8 @@ def registration_target(reg: Registration, params: Mapping[str, object] | None) 
         block_ids=tuple(reg.block_ids), tag=reg.request_id, num_tokens=reg.num_tokens,
         notify_endpoint=_opt_str(p, "notify_endpoint"),
         notify_request_id=_opt_str(p, "notify_request_id"),
+        notify_token=_opt_str(p, "notify_token") or "",
     )
-
-
-def encode_registration(reg: Registration) -> bytes:
-    return REG_PREFIX + msgspec.msgpack.encode(reg)
-
-
-def decode_registration(msg: bytes) -> Registration:
-    """Raises msgspec.DecodeError / ValidationError on a bad frame."""
-    return msgspec.msgpack.decode(msg[len(REG_PREFIX):], type=Registration)
 
 
 @dataclass
@@ -177,25 +158,6 @@ class Match:
     num_tokens: int
     target: WriteTarget
     first_token_ids: tuple[int, ...] = ()  # what P sampled: named in the landed notice
-
-
-def landed_notice(tag: str, first_token_ids: tuple[int, ...]) -> bytes:
-    """P -> D after a WRITE: `LANDED_PREFIX tag [\\n id,id...]` (a tag is a request or
-    reservation id, which never holds a newline: they come from HTTP headers)."""
-    notice = LANDED_PREFIX + tag.encode()
-    if first_token_ids:
-        notice += b"\n" + b",".join(str(t).encode() for t in first_token_ids)
-    return notice
-
-
-def parse_landed(body: bytes) -> tuple[str, tuple[int, ...]]:
-    """(tag, P's tokens) of a landed notice without its prefix; bad token lists read as ()."""
-    tag, _, ids = body.partition(b"\n")
-    try:
-        tokens = tuple(int(t) for t in ids.split(b",")) if ids else ()
-    except ValueError:
-        tokens = ()
-    return tag.decode("utf-8", "replace"), tokens
 
 
 class PendingPushes:

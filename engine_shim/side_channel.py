@@ -4,6 +4,12 @@ Server: a ROUTER socket on its own thread, bound to `--side-channel-port`; every
 the same `Envelope` (our version + the encoded `HandshakePayload`). Client: `fetch_handshake`
 sends one request on a DEALER socket and waits at most `timeout` seconds for the reply.
 
+Every frame is untrusted: its size is bounded before it is decoded (requests
+`MAX_REQUEST_BYTES`, replies `MAX_REPLY_BYTES`; zmq disconnects a peer whose frame exceeds
+`_ZMQ_MAX_FRAME`), and no frame can stop the server thread: a decode failure (including a
+nesting bomb's RecursionError) is answered with an error envelope and counted, so the next
+handshake is served as usual.
+
 Decoding is two-phase: the envelope first (version check, lenient about unknown fields so a
 newer peer still gets a clear version error), then the payload (strict). `validate_peer`
 turns every mismatch (engine id, model, KV layout, compatibility hash) into a
@@ -12,6 +18,8 @@ turns every mismatch (engine id, model, KV layout, compatibility hash) into a
 Version history (SIDE_CHANNEL_VERSION):
   1: initial: engine_id, agent_name, agent_metadata, kv_base_addr, mem_type, device_id,
      layout (KVLayout), model_name, compat_hash.
+  2: same handshake; the engines' NIXL notifications are typed `engine_shim.notices` frames
+     (NOTICE_VERSION 1) instead of text, so a v1 peer (text notices) must not pair with us.
 """
 
 from __future__ import annotations
@@ -28,7 +36,10 @@ import zmq
 from engine_shim.kv_layout import KVLayout
 from engine_shim.transfer_errors import KVConnectorError, KVHandshakeError
 
-SIDE_CHANNEL_VERSION = 1
+SIDE_CHANNEL_VERSION = 2
+MAX_REQUEST_BYTES = 4096  # a HandshakeRequest is a version and an engine id: ~50 bytes
+MAX_REPLY_BYTES = 16 << 20  # a payload is mostly NIXL agent metadata (KiBs)
+_ZMQ_MAX_FRAME = 1 << 20  # the server's socket disconnects a peer sending a bigger frame
 _POLL_MS = 100  # how often the server thread checks its stop flag
 log = logging.getLogger(__name__)
 
@@ -80,9 +91,12 @@ def encode_reply(payload: HandshakePayload) -> bytes:
 
 def decode_reply(frame: bytes) -> HandshakePayload:
     """Two-phase decode of a server reply; raises KVHandshakeError on any problem."""
+    if len(frame) > MAX_REPLY_BYTES:
+        raise KVHandshakeError(f"handshake reply of {len(frame)} bytes is over "
+                               f"{MAX_REPLY_BYTES}")
     try:
         env = msgspec.msgpack.decode(frame, type=Envelope)
-    except msgspec.DecodeError as e:
+    except (msgspec.DecodeError, RecursionError) as e:
         raise KVHandshakeError(f"malformed handshake envelope: {e}") from e
     if env.v != SIDE_CHANNEL_VERSION:
         raise KVHandshakeError(
@@ -92,7 +106,7 @@ def decode_reply(frame: bytes) -> HandshakePayload:
         raise KVHandshakeError(f"peer refused the handshake: {env.error}")
     try:
         return msgspec.msgpack.decode(env.payload, type=HandshakePayload)
-    except (msgspec.DecodeError, ValueError) as e:
+    except (msgspec.DecodeError, ValueError, RecursionError) as e:
         raise KVHandshakeError(f"malformed handshake payload: {e}") from e
 
 
@@ -135,6 +149,7 @@ def fetch_handshake(
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         with _socket(ctx, zmq.DEALER) as sock:
+            sock.setsockopt(zmq.MAXMSGSIZE, MAX_REPLY_BYTES)
             sock.connect(f"tcp://{host}:{port}")
             sock.send(msgspec.msgpack.encode(HandshakeRequest(SIDE_CHANNEL_VERSION, engine_id)))
             if not sock.poll(int(timeout * 1000), zmq.POLLIN):
@@ -149,7 +164,9 @@ class SideChannelServer:
     """ROUTER thread answering handshakes with one fixed payload. `port=0` binds a free port
     (read `port` after `start`). `start` returns once bound (or raises KVConnectorError).
     `on_request(result)` is called from the server thread for every message, with result
-    "served", "malformed_frames" or "malformed_request", so junk on the port is counted."""
+    "served", "malformed_frames" (not one request frame), "malformed_request" (does not
+    decode), "oversized" (over MAX_REQUEST_BYTES) or "internal" (a bug answering it), so
+    junk on the port is counted."""
 
     def __init__(self, host: str, port: int, payload: HandshakePayload,
                  on_request: Callable[[str], None] | None = None) -> None:
@@ -180,6 +197,7 @@ class SideChannelServer:
         ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
             with _socket(ctx, zmq.ROUTER) as sock:
+                sock.setsockopt(zmq.MAXMSGSIZE, _ZMQ_MAX_FRAME)
                 try:
                     sock.bind(f"tcp://{self.host}:{self.port}")
                     endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
@@ -198,21 +216,37 @@ class SideChannelServer:
         while not self._stop.is_set():
             if not sock.poll(_POLL_MS, zmq.POLLIN):
                 continue
-            frames = sock.recv_multipart()
-            if len(frames) != 2:
-                self._on_request("malformed_frames")
-                continue  # not a DEALER request: nothing sensible to reply to
-            identity, body = frames
             try:
-                req = msgspec.msgpack.decode(body, type=HandshakeRequest)
-                log.debug("handshake request from engine %r (v%d)", req.engine_id, req.v)
-                reply = self._reply
-                self._on_request("served")
-            except msgspec.DecodeError:
-                self._on_request("malformed_request")
-                reply = msgspec.msgpack.encode(
-                    Envelope(v=SIDE_CHANNEL_VERSION, error="malformed handshake request"))
-            try:
-                sock.send_multipart([identity, reply], flags=zmq.NOBLOCK)
-            except zmq.ZMQError as e:  # a full queue to a stuck peer must not stop the server
-                log.warning("side channel reply dropped: %s", e)
+                self._answer(sock)
+            except Exception:  # a dead thread would fail every later handshake
+                log.exception("side channel: answering a message failed")
+                self._on_request("internal")
+
+    def _answer(self, sock: zmq.Socket[bytes]) -> None:
+        frames = sock.recv_multipart()
+        if len(frames) != 2:
+            self._on_request("malformed_frames")
+            return  # not a DEALER request: nothing sensible to reply to
+        identity, body = frames
+        result, reply = self._reply_to(body)
+        self._on_request(result)
+        try:
+            sock.send_multipart([identity, reply], flags=zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # a full queue to a stuck peer must not stop the server
+            log.warning("side channel reply dropped: %s", e)
+
+    def _reply_to(self, body: bytes) -> tuple[str, bytes]:
+        """(result, reply frame) for one request body."""
+        if len(body) > MAX_REQUEST_BYTES:
+            return "oversized", _error_reply("handshake request too large")
+        try:
+            req = msgspec.msgpack.decode(body, type=HandshakeRequest)
+        # RecursionError: msgspec's answer to deep nesting, even inside skipped fields.
+        except (msgspec.DecodeError, RecursionError, ValueError):
+            return "malformed_request", _error_reply("malformed handshake request")
+        log.debug("handshake request from engine %r (v%d)", req.engine_id, req.v)
+        return "served", self._reply
+
+
+def _error_reply(error: str) -> bytes:
+    return msgspec.msgpack.encode(Envelope(v=SIDE_CHANNEL_VERSION, error=error))

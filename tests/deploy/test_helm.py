@@ -9,6 +9,7 @@ import json
 import re
 import tomllib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,29 +26,13 @@ from router.cli import build_parser as router_parser
 from router.config import load_config, validate_config
 from router.metrics import RouterMetrics
 from router.policies import POLICIES
-from tests.deploy.helm_render import CHART, ROOT, Rendered, Renderer, build
+from tests.deploy.conftest import MONITORING, VLLM_VALUES, write_values
+from tests.deploy.helm_render import CHART, ROOT, Rendered, Renderer
 
 KUBE_VERSION = "1.30.0"
-MONITORING = ("monitoring.coreos.com/v1",)
-VLLM_VALUES = CHART / "values-vllm.yaml"
 
 
-@pytest.fixture(scope="session")
-def renderer(tmp_path_factory: pytest.TempPathFactory) -> Renderer:
-    return Renderer(build(tmp_path_factory.mktemp("helmrender")))
-
-
-@pytest.fixture(scope="session")
-def default(renderer: Renderer) -> Rendered:
-    return renderer.render()
-
-
-@pytest.fixture(scope="session")
-def vllm(renderer: Renderer) -> Rendered:
-    return renderer.render(VLLM_VALUES, api_versions=MONITORING)
-
-
-@pytest.fixture(params=["default", "vllm"])
+@pytest.fixture(params=["default", "notify", "vllm"])
 def rendered(request: pytest.FixtureRequest) -> Rendered:
     result: Rendered = request.getfixturevalue(request.param)
     return result
@@ -70,12 +55,6 @@ def values(*files: Path) -> dict[str, Any]:
     for f in files:
         merged = coalesce(yaml.safe_load(f.read_text()), merged)
     return merged
-
-
-def write_values(tmp_path: Path, overrides: dict[str, Any]) -> Path:
-    path = tmp_path / "values.yaml"
-    path.write_text(yaml.safe_dump(overrides))
-    return path
 
 
 def containers(m: dict[str, Any]) -> list[dict[str, Any]]:
@@ -118,6 +97,9 @@ def test_values_follow_the_schema(files: tuple[Path, ...]) -> None:
     (("router", "servce"), {}),
     (("engines", "vllm", "kvTransferConfig", "kv_connector"), "LMCacheConnector"),
     (("apiKeys", "keys"), ["a,b-with-comma"]),
+    (("router", "pdMode"), "stream"),
+    (("engineApiKey", "enabeld"), True),
+    (("networkPolicy", "routerFrom"), {"podSelector": {}}),
 ])
 def test_schema_rejects_bad_values(path: tuple[str, ...], value: Any) -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
@@ -147,7 +129,11 @@ def test_every_manifest_validates_against_kubernetes_schemas(rendered: Rendered)
 def test_optional_objects_follow_their_switches(default: Rendered, vllm: Rendered) -> None:
     for kind in ("HorizontalPodAutoscaler", "Ingress", "ServiceMonitor"):
         assert default.of(kind) == [] and len(vllm.of(kind)) == 1
-    assert [s["metadata"]["name"] for s in default.of("Secret")] == ["demo-pdgate-notify"]
+    assert [s["metadata"]["name"] for s in default.of("Secret")] == [
+        "demo-pdgate-notify", "demo-pdgate-engine-key", "demo-pdgate-admin-key"]
+    for r in (default, vllm):
+        assert sorted(n["metadata"]["name"] for n in r.of("NetworkPolicy")) == [
+            "demo-pdgate-engines", "demo-pdgate-router"]
 
 
 def test_router_config_is_a_valid_router_config(rendered: Rendered, tmp_path: Path) -> None:
@@ -210,18 +196,52 @@ def test_services_and_friends_point_at_the_router(rendered: Rendered) -> None:
                                                       service["spec"]["ports"]]
 
 
+def secret_refs(dep: dict[str, Any]) -> Iterator[tuple[str, str, bool]]:
+    """(Secret name, key, optional) of every secret a Deployment's pods read: env
+    secretKeyRefs and secret / projected volumes."""
+    spec = dep["spec"]["template"]["spec"]
+    for c in containers(dep):
+        for env in c.get("env", []):
+            if ref := env.get("valueFrom", {}).get("secretKeyRef"):
+                yield ref["name"], ref["key"], bool(ref.get("optional"))
+    for vol in spec.get("volumes", []):
+        sources = [{"secret": {**vol["secret"], "name": vol["secret"]["secretName"]}}] \
+            if "secret" in vol else vol.get("projected", {}).get("sources", [])
+        for src in sources:
+            if sec := src.get("secret"):
+                for item in sec["items"]:  # the chart always names the keys it mounts
+                    yield sec["name"], item["key"], bool(sec.get("optional"))
+
+
 def test_secrets_referenced_by_pods_exist(rendered: Rendered) -> None:
     secrets = {s["metadata"]["name"]: s for s in rendered.of("Secret")}
     refs = 0
     for dep in rendered.of("Deployment"):
-        for c in containers(dep):
-            for env in c.get("env", []):
-                ref = env.get("valueFrom", {}).get("secretKeyRef")
-                if ref is None or ref.get("optional"):
-                    continue
+        for name, key, optional in secret_refs(dep):
+            if not optional:
                 refs += 1
-                assert ref["key"] in secrets[ref["name"]]["data"], env["name"]
-    assert refs >= 1
+                assert key in secrets[name]["data"], (name, key)
+    assert refs >= 4
+
+
+def test_secret_files_are_mounted_and_never_on_a_command_line(rendered: Rendered) -> None:
+    for dep in rendered.of("Deployment"):
+        spec = dep["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec.get("volumes", [])}
+        for c in containers(dep):
+            files = set()
+            for mount in c.get("volumeMounts", []):
+                for src in volumes[mount["name"]].get("projected", {}).get("sources", []):
+                    files |= {f"{mount['mountPath']}/{i['path']}"
+                              for i in src.get("secret", {}).get("items", [])}
+            env = {e["name"]: e for e in c.get("env", [])}
+            for name, e in env.items():
+                if name.endswith("_FILE"):
+                    assert e["value"] in files, name
+            secret_vars = {n for n, e in env.items() if "secretKeyRef" in e.get("valueFrom", {})}
+            for arg in [*c.get("command", []), *c.get("args", [])]:
+                assert not set(re.findall(r"\$\((\w+)\)", arg)) & secret_vars, arg
+                assert not re.search(r"key|secret|token", arg, re.I), arg
 
 
 def test_shim_engines_run_the_real_shim_cli(default: Rendered) -> None:
@@ -327,6 +347,13 @@ def test_notes_tell_how_to_reach_the_router(renderer: Renderer, default: Rendere
     ({"router": {"serviceMonitor": {"enabled": True}}}, "no monitoring.coreos.com/v1 API"),
     ({"engines": {"decode": {"replicas": 0}}}, "engines.decode.replicas:"),
     ({"notificationSecret": {"value": "short"}}, "notificationSecret.value:"),
+    ({"engineApiKey": {"value": "short"}}, "engineApiKey.value:"),
+    ({"adminApiKey": {"value": "short"}}, "adminApiKey.value:"),
+    ({"router": {"pdMode": "stream"}}, "router.pdMode: must be pull, notify or push"),
+    ({"engines": {"kind": "vllm"}, "model": "Qwen/Qwen3-8B", "router": {"pdMode": "notify"}},
+     "router.pdMode: vLLM engines (NixlConnector) support pull only"),
+    ({"router": {"pdMode": "notify"}, "notificationSecret": {"enabled": False}},
+     "notificationSecret.enabled: notify mode needs the secret"),
 ])
 def test_bad_settings_fail_with_the_key_named(
     renderer: Renderer, tmp_path: Path, overrides: dict[str, Any], message: str
@@ -341,10 +368,187 @@ def test_user_router_config_overrides_and_existing_secrets(
         "router": {"config": {"decode_policy": "round-robin", "health_interval_s": 2}},
         "apiKeys": {"existingSecret": "my-keys"},
         "notificationSecret": {"existingSecret": "my-notify"},
+        "engineApiKey": {"existingSecret": "my-engine-key"},
+        "adminApiKey": {"existingSecret": "my-admin-key"},
     }))
     cfg = yaml.safe_load(r.one("ConfigMap", "-router")["data"]["router.yaml"])
     assert cfg["decode_policy"] == "round-robin" and cfg["health_interval_s"] == 2
     assert r.of("Secret") == []
-    env = {e["name"]: e for e in containers(r.one("Deployment", "-router"))[0]["env"]}
-    assert env["PDGATE_API_KEYS"]["valueFrom"]["secretKeyRef"]["name"] == "my-keys"
-    assert env["PDGATE_NOTIFY_SECRET"]["valueFrom"]["secretKeyRef"]["name"] == "my-notify"
+    assert sorted(secret_refs(r.one("Deployment", "-router"))) == [
+        ("my-admin-key", "admin-api-key", False), ("my-engine-key", "engine-api-key", False),
+        ("my-keys", "api-keys", False), ("my-notify", "notify-secret", False)]
+    for role in ("prefill", "decode"):
+        assert sorted(secret_refs(r.one("Deployment", f"-{role}"))) == [
+            ("my-engine-key", "engine-api-key", False), ("my-notify", "notify-secret", False)]
+
+
+def test_switched_off_secrets_are_neither_created_nor_mounted(
+    renderer: Renderer, tmp_path: Path
+) -> None:
+    off = {"enabled": False}
+    r = renderer.render(write_values(tmp_path, {
+        "notificationSecret": off, "engineApiKey": off, "adminApiKey": off}))
+    assert r.of("Secret") == []
+    for dep in r.of("Deployment"):
+        assert list(secret_refs(dep)) == []
+        assert not [e for e in containers(dep)[0]["env"] if e["name"].startswith("PDGATE_")]
+
+
+# ---- network exposure: Ingress paths and NetworkPolicies, evaluated like Kubernetes ----
+
+
+def selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels + matchExpressions); {} selects everything."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        key, op, vals = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {"In": key in labels and labels[key] in vals,
+              "NotIn": labels.get(key) not in vals,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]
+        if not ok:
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class Source:
+    """A pod that opens a connection: its labels, namespace and the namespace's labels."""
+
+    labels: dict[str, str]
+    namespace: str = "llm"
+
+    def peer(self, peer: dict[str, Any], policy_ns: str) -> bool:
+        if "ipBlock" in peer:
+            return False  # pod-to-pod traffic here; ipBlocks are for outside addresses
+        ns_labels = {"kubernetes.io/metadata.name": self.namespace}
+        if "namespaceSelector" in peer:
+            if not selector_matches(peer["namespaceSelector"], ns_labels):
+                return False
+        elif self.namespace != policy_ns:
+            return False
+        return selector_matches(peer.get("podSelector", {}), self.labels)
+
+
+def allowed(r: Rendered, dst: dict[str, str], port: int, src: Source, ns: str = "llm") -> bool:
+    """Whether the NetworkPolicies let `src` open a TCP connection to `port` on a pod with
+    labels `dst` in namespace `ns` (ingress only: the chart sets no egress policy)."""
+    policies = [p for p in r.of("NetworkPolicy")
+                if "Ingress" in p["spec"]["policyTypes"]
+                and selector_matches(p["spec"]["podSelector"], dst)]
+    if not policies:
+        return True  # not isolated
+    for p in policies:
+        for rule in p["spec"].get("ingress", []):
+            ports = rule.get("ports") or [{}]
+            port_ok = any(q.get("protocol", "TCP") == "TCP" and (
+                "port" not in q or q["port"] <= port <= q.get("endPort", q["port"]))
+                for q in ports)
+            from_ok = "from" not in rule or any(src.peer(peer, ns) for peer in rule["from"])
+            if port_ok and from_ok:
+                return True
+    return False
+
+
+def pod_labels(r: Rendered, suffix: str) -> dict[str, str]:
+    labels: dict[str, str] = r.one("Deployment", suffix)["spec"]["template"]["metadata"]["labels"]
+    return labels
+
+
+def named_ports(dep: dict[str, Any]) -> dict[str, int]:
+    return {p["name"]: p["containerPort"] for p in containers(dep)[0]["ports"]}
+
+
+PROMETHEUS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}},
+              "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}
+
+
+@pytest.mark.parametrize("mode", ["notify", "vllm", "prometheus"])
+def test_network_policies_allow_only_the_release(
+    mode: str, request: pytest.FixtureRequest, renderer: Renderer, tmp_path: Path
+) -> None:
+    if mode == "prometheus":
+        r = renderer.render(write_values(tmp_path, {"networkPolicy": {"prometheus": PROMETHEUS}}))
+    else:
+        r = request.getfixturevalue(mode)
+    router, prefill, decode = (pod_labels(r, s) for s in ("-router", "-prefill", "-decode"))
+    other_release = {**router, "app.kubernetes.io/instance": "other"}
+    stranger, engines = Source({"app": "curl"}), [Source(prefill), Source(decode)]
+    outsiders = [stranger, Source(other_release), Source(router, namespace="elsewhere")]
+    prometheus = Source({"app.kubernetes.io/name": "prometheus"}, namespace="monitoring")
+    for role, dst in (("prefill", prefill), ("decode", decode)):
+        ports = named_ports(r.one("Deployment", f"-{role}"))
+        # Engine API: the router only (and Prometheus when selected).
+        assert allowed(r, dst, ports["http"], Source(router))
+        for src in [*engines, *outsiders]:
+            assert not allowed(r, dst, ports["http"], src), (role, src)
+        assert allowed(r, dst, ports["http"], prometheus) == (mode == "prometheus")
+        # NIXL side channel, and any other port (NIXL's own data connections over TCP):
+        # pods of this release only.
+        for port in (ports["nixl"], 40000):
+            assert all(allowed(r, dst, port, src) for src in engines)
+            for src in [*outsiders, prometheus]:
+                assert not allowed(r, dst, port, src), (role, port, src)
+    ports = named_ports(r.one("Deployment", "-router"))
+    # Router HTTP: everyone (clients, ingress controllers); nothing else from outside.
+    assert all(allowed(r, router, ports["http"], src) for src in [*outsiders, prometheus])
+    assert not allowed(r, router, 9999, stranger)
+    if mode == "notify":
+        # KV-ready proxy: engines of this release only.
+        assert all(allowed(r, router, ports["kv-notify"], src) for src in engines)
+        for src in [*outsiders, prometheus]:
+            assert not allowed(r, router, ports["kv-notify"], src)
+    else:
+        assert "kv-notify" not in ports
+
+
+def test_router_http_can_be_limited_to_chosen_peers(renderer: Renderer, tmp_path: Path) -> None:
+    ingress_ns = {"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "ingress-nginx"}}}
+    r = renderer.render(write_values(tmp_path, {"networkPolicy": {"routerFrom": [ingress_ns]}}))
+    router = pod_labels(r, "-router")
+    port = named_ports(r.one("Deployment", "-router"))["http"]
+    assert allowed(r, router, port, Source({"app": "nginx"}, namespace="ingress-nginx"))
+    assert not allowed(r, router, port, Source({"app": "curl"}))
+
+
+def test_network_policies_can_be_switched_off(renderer: Renderer, tmp_path: Path) -> None:
+    r = renderer.render(write_values(tmp_path, {"networkPolicy": {"enabled": False}}))
+    assert r.of("NetworkPolicy") == []
+
+
+def ingress_routes(ing: dict[str, Any], host: str, path: str) -> bool:
+    """Whether an Ingress sends `path` on `host` to a backend (Prefix / Exact semantics:
+    a prefix matches whole path elements)."""
+    for rule in ing["spec"]["rules"]:
+        if rule.get("host", host) != host:
+            continue
+        for p in rule["http"]["paths"]:
+            want = p["path"]
+            assert p["pathType"] in ("Prefix", "Exact"), "ImplementationSpecific is vague"
+            if path == want or (p["pathType"] == "Prefix" and (
+                    want == "/" or path.startswith(want.rstrip("/") + "/"))):
+                return True
+    return False
+
+
+def test_ingress_publishes_only_the_openai_api(vllm: Rendered) -> None:
+    ing = vllm.one("Ingress")
+    host = ing["spec"]["rules"][0]["host"]
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/v1"):
+        assert ingress_routes(ing, host, path), path
+    for path in ("/metrics", "/admin/engines", "/dashboard", "/dashboard/state", "/health",
+                 "/ready", "/", "/v10/models", "/v1x"):
+        assert not ingress_routes(ing, host, path), path
+
+
+def test_every_pod_is_hardened(rendered: Rendered) -> None:
+    for dep in rendered.of("Deployment"):
+        spec = dep["spec"]["template"]["spec"]
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        for c in spec["containers"]:
+            requests = c["resources"]["requests"]
+            assert requests.get("cpu") and requests.get("memory"), dep["metadata"]["name"]
+            assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+            port = c["livenessProbe"]["httpGet"]["port"]
+            assert port in [p["name"] for p in c["ports"]]

@@ -77,6 +77,74 @@ app.kubernetes.io/part-of: pdgate
 {{- default (printf "%s-notify" (include "pdgate.fullname" .)) .Values.notificationSecret.existingSecret -}}
 {{- end -}}
 
+{{- define "pdgate.engineKeySecret" -}}
+{{- default (printf "%s-engine-key" (include "pdgate.fullname" .)) .Values.engineApiKey.existingSecret -}}
+{{- end -}}
+
+{{- define "pdgate.adminKeySecret" -}}
+{{- default (printf "%s-admin-key" (include "pdgate.fullname" .)) .Values.adminApiKey.existingSecret -}}
+{{- end -}}
+
+{{/* Where pdgate processes read their secrets (PDGATE_<FIELD>_FILE). */}}
+{{- define "pdgate.secretsDir" -}}/var/run/secrets/pdgate{{- end -}}
+
+{{/* The secret files a pdgate container gets, as YAML {files: [{env, secret, key}]}:
+.component router (client keys, notify secret, engine key, admin key) or shim (notify
+secret, engine key). The file is named after the Secret key. */}}
+{{- define "pdgate.secretFiles" -}}
+{{- $v := .ctx.Values -}}
+{{- $files := list -}}
+{{- if and (eq .component "router") (or $v.apiKeys.keys $v.apiKeys.existingSecret) -}}
+{{- $files = append $files (dict "env" "PDGATE_API_KEYS_FILE" "secret" (include "pdgate.apiKeysSecret" .ctx) "key" "api-keys") -}}
+{{- end -}}
+{{- if $v.notificationSecret.enabled -}}
+{{- $files = append $files (dict "env" "PDGATE_NOTIFY_SECRET_FILE" "secret" (include "pdgate.notifySecret" .ctx) "key" "notify-secret") -}}
+{{- end -}}
+{{- if $v.engineApiKey.enabled -}}
+{{- $files = append $files (dict "env" "PDGATE_ENGINE_API_KEY_FILE" "secret" (include "pdgate.engineKeySecret" .ctx) "key" "engine-api-key") -}}
+{{- end -}}
+{{- if and (eq .component "router") $v.adminApiKey.enabled -}}
+{{- $files = append $files (dict "env" "PDGATE_ADMIN_API_KEY_FILE" "secret" (include "pdgate.adminKeySecret" .ctx) "key" "admin-api-key") -}}
+{{- end -}}
+{{- toYaml (dict "files" $files) -}}
+{{- end -}}
+
+{{/* env entries pointing at the secret files (indent with nindent). */}}
+{{- define "pdgate.secretEnv" -}}
+{{- range (include "pdgate.secretFiles" . | fromYaml).files }}
+- name: {{ .env }}
+  value: {{ printf "%s/%s" (include "pdgate.secretsDir" $.ctx) .key | quote }}
+{{- end -}}
+{{- end -}}
+
+{{/* The projected volume holding the secret files; empty when there are none. */}}
+{{- define "pdgate.secretVolume" -}}
+{{- $files := (include "pdgate.secretFiles" . | fromYaml).files -}}
+{{- if $files }}
+- name: secrets
+  projected:
+    defaultMode: 0440
+    sources:
+      {{- range $files }}
+      - secret:
+          name: {{ .secret }}
+          items: [{key: {{ .key }}, path: {{ .key }}}]
+      {{- end }}
+{{- end -}}
+{{- end -}}
+
+{{- define "pdgate.secretMount" -}}
+{{- if (include "pdgate.secretFiles" . | fromYaml).files }}
+- {name: secrets, mountPath: {{ include "pdgate.secretsDir" .ctx }}, readOnly: true}
+{{- end -}}
+{{- end -}}
+
+{{/* Selector labels of every pod of this release (router and engines). */}}
+{{- define "pdgate.releaseLabels" -}}
+app.kubernetes.io/name: {{ include "pdgate.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
 {{/* The router's YAML config: RouterConfig fields (router/config.py), nothing else. */}}
 {{- define "pdgate.routerConfig" -}}
 {{- $cfg := dict
@@ -95,6 +163,13 @@ app.kubernetes.io/part-of: pdgate
 -}}
 {{- if .Values.servedModelName -}}
 {{- $_ := set $cfg "served_model_name" .Values.servedModelName -}}
+{{- end -}}
+{{- if ne .Values.router.pdMode "pull" -}}
+{{- $_ := set $cfg "pd_mode" .Values.router.pdMode -}}
+{{- end -}}
+{{- if eq .Values.router.pdMode "notify" -}}
+{{- /* Engines reach the proxy at the pod IP (PDGATE_NOTIFY_ADVERTISE_HOST, downward API). */ -}}
+{{- $_ := set $cfg "notify_bind" (printf "tcp://0.0.0.0:%d" (int .Values.router.notifyPort)) -}}
 {{- end -}}
 {{- toYaml (merge (deepCopy .Values.router.config) $cfg) -}}
 {{- end -}}
@@ -140,5 +215,20 @@ app.kubernetes.io/part-of: pdgate
 {{- end -}}
 {{- if and .Values.notificationSecret.value (lt (len .Values.notificationSecret.value) 16) -}}
 {{- fail "notificationSecret.value: use at least 16 characters" -}}
+{{- end -}}
+{{- if not (has .Values.router.pdMode (list "pull" "notify" "push")) -}}
+{{- fail (printf "router.pdMode: must be pull, notify or push, not %q" .Values.router.pdMode) -}}
+{{- end -}}
+{{- if and (eq .Values.engines.kind "vllm") (ne .Values.router.pdMode "pull") -}}
+{{- fail "router.pdMode: vLLM engines (NixlConnector) support pull only; notify and push need shim engines" -}}
+{{- end -}}
+{{- if and (eq .Values.router.pdMode "notify") (not .Values.notificationSecret.enabled) -}}
+{{- fail "notificationSecret.enabled: notify mode needs the secret, or the router's KV-ready proxy accepts unsigned notices" -}}
+{{- end -}}
+{{- range $key := list "engineApiKey" "adminApiKey" -}}
+{{- $v := index $.Values $key -}}
+{{- if and $v.value (lt (len $v.value) 16) -}}
+{{- fail (printf "%s.value: use at least 16 characters" $key) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}

@@ -50,9 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiters", type=int, default=d.max_waiters,
                    help="most waiters registered at once")
     p.add_argument("--rcv-hwm", type=int, default=d.rcv_hwm,
-                   help="zmq receive high-water mark (messages)")
+                   help="zmq receive high-water mark (messages queued per connected peer)")
     p.add_argument("--max-msg-bytes", type=int, default=d.max_msg_bytes,
                    help="largest frame accepted; a peer sending more is disconnected")
+    p.add_argument("--max-frame-bytes", type=int, default=d.max_frame_bytes,
+                   help="largest notification payload decoded; bigger ones are dropped and "
+                        "counted (result too_large) before any HMAC or parsing")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="serve Prometheus metrics over HTTP on this port (0: off)")
     p.add_argument("--log-level", default="INFO",
@@ -67,6 +70,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         ttl_s=args.ttl_seconds, reap_interval_s=args.reap_interval, max_early=args.max_early,
         max_early_bytes=args.max_early_bytes, max_waiters=args.max_waiters,
         rcv_hwm=args.rcv_hwm, max_msg_bytes=args.max_msg_bytes,
+        max_frame_bytes=args.max_frame_bytes,
     ).validate()
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
+from proxy.wire import MAX_FRAME_BYTES
+
 
 class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Settings of one proxy (one PULL socket and its waiter table).
@@ -19,9 +21,16 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         reap_interval_s: how often the reaper runs (seconds).
         max_waiters: registered waiters allowed at once (register raises beyond).
         max_early / max_early_bytes: caps on held early arrivals (count, payload bytes).
-        rcv_hwm: zmq receive high-water mark (messages queued in the socket).
+        rcv_hwm: zmq receive high-water mark: messages queued per connected peer. It bounds
+            what one flooding connection holds in memory (up to ``rcv_hwm * max_msg_bytes``);
+            fair queueing, not the queue depth, is what keeps real notices flowing.
         max_msg_bytes: zmq MAXMSGSIZE; a peer sending a bigger frame is disconnected.
-        batch: frames handled per event-loop turn before yielding to woken waiters.
+        max_frame_bytes: largest payload frame decoded; a bigger one is dropped and counted
+            (``too_large``) before its MAC is computed. Sizes between this and
+            `max_msg_bytes` are counted drops, bigger ones disconnects.
+        batch: messages handled per event-loop turn before yielding to woken waiters.
+        batch_time_s: time budget of one turn (seconds); the turn ends at whichever of
+            `batch` and this comes first, so a flood of costly junk cannot hold the loop.
     """
 
     bind: str = "tcp://127.0.0.1:7500"
@@ -32,9 +41,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     max_waiters: int = 100_000
     max_early: int = 100_000
     max_early_bytes: int = 64 << 20
-    rcv_hwm: int = 100_000
+    rcv_hwm: int = 10_000
     max_msg_bytes: int = 64 << 10
+    max_frame_bytes: int = MAX_FRAME_BYTES
     batch: int = 64
+    batch_time_s: float = 0.002
 
     def validate(self) -> ProxyConfig:
         """Return self, or raise ValueError naming the first bad field."""
@@ -42,11 +53,11 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
             raise ValueError(f"bind: not a zmq endpoint: {self.bind!r}")
         if self.notify_secret is not None and len(self.notify_secret) < 16:
             raise ValueError("notify_secret: use at least 16 characters")
-        for name in ("ttl_s", "reap_interval_s"):
+        for name in ("ttl_s", "reap_interval_s", "batch_time_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: must be > 0")
         for name in ("max_waiters", "max_early", "max_early_bytes", "rcv_hwm",
-                     "max_msg_bytes", "batch"):
+                     "max_msg_bytes", "max_frame_bytes", "batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1")
         return self

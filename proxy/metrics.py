@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -16,6 +17,10 @@ WAKE_BUCKETS = (
     0.05, 0.1, 0.5,
 )
 
+# Why a well-formed, authenticated notice was refused (see proxy.waiters).
+RejectReason = Literal["token_mismatch", "replay", "unknown_waiter"]
+REJECT_REASONS: tuple[RejectReason, ...] = get_args(RejectReason)
+
 
 @dataclass(frozen=True)
 class ProxyMetrics:
@@ -23,10 +28,16 @@ class ProxyMetrics:
 
     Metric families:
     - ``messages_total{kind,result}``: every received frame; result is the transfer status
-      (``ok``/``failed``) for accepted notifications, ``heartbeat``, or why it was dropped
-      (``malformed``, ``bad_version``, ``unknown_kind``, ``bad_mac``, ``duplicate``,
-      ``error``).
-    - ``waiters`` / ``early_arrivals`` / ``early_arrival_bytes``: table sizes (read at scrape).
+      (``ok``/``failed``) for accepted notifications, ``ok`` for heartbeats, or why it was
+      dropped: a `WireError` reason (``malformed``, ``too_large``, ``bad_version``,
+      ``unknown_kind``, ``bad_mac``), a `RejectReason`, or ``error`` (a bug, logged).
+    - ``notifications_rejected_total{reason}``: authenticated notices refused by the waiter
+      table: ``token_mismatch`` (not the token its waiter was registered with; also counted
+      when a tokened waiter discards a held early arrival), ``replay`` (its waiter already
+      took a notice), ``unknown_waiter`` (no waiter will take it: finished, or a tokened
+      notice for an id never registered).
+    - ``waiters`` / ``early_arrivals`` / ``early_arrival_bytes`` / ``finished_requests``:
+      table sizes (read at scrape); the last is the finished request ids remembered.
     - ``early_notifications_total``: notifications stored before their waiter existed.
     - ``reaped_total{what}``: TTL expiries of early arrivals / abandoned waiters.
     - ``evictions_total{reason}``: early arrivals dropped to respect the count / bytes caps.
@@ -40,11 +51,14 @@ class ProxyMetrics:
     early_arrivals: Gauge
     early_arrival_bytes: Gauge
     early_arrivals_total: Counter
+    rejected: Counter
+    finished: Gauge
     reaped: Counter
     evictions: Counter
     waits: Counter
     wake_latency: Histogram
     _children: dict[tuple[str, str], Counter] = field(default_factory=dict, compare=False)
+    _rejected: dict[str, Counter] = field(default_factory=dict, compare=False)
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ProxyMetrics:
@@ -67,6 +81,15 @@ class ProxyMetrics:
                 _P + "early_notifications", "Notifications that arrived before their waiter",
                 registry=reg,
             ),
+            rejected=Counter(
+                _P + "notifications_rejected", "Authenticated notices refused, by reason",
+                ["reason"], registry=reg,
+            ),
+            finished=Gauge(
+                _P + "finished_requests",
+                "Finished request ids remembered to refuse late and replayed notices",
+                registry=reg,
+            ),
             reaped=Counter(
                 _P + "reaped", "Entries dropped after their TTL", ["what"], registry=reg
             ),
@@ -81,6 +104,17 @@ class ProxyMetrics:
             ),
         )
 
+    def __post_init__(self) -> None:
+        for reason in REJECT_REASONS:  # exported at 0 from the start, for alert rules
+            self._reject_child(reason)
+
+    def _reject_child(self, reason: RejectReason) -> Counter:
+        """The cached ``notifications_rejected_total`` child for `reason`."""
+        child = self._rejected.get(reason)
+        if child is None:
+            child = self._rejected[reason] = self.rejected.labels(reason)
+        return child
+
     def message(self, kind: str, result: str) -> None:
         """Count one received frame (hot path: the labelled child is cached)."""
         child = self._children.get((kind, result))
@@ -88,11 +122,17 @@ class ProxyMetrics:
             child = self._children[(kind, result)] = self.messages.labels(kind, result)
         child.inc()
 
+    def reject(self, reason: RejectReason) -> None:
+        """Count one refused notice (hot path under a replay flood: children are cached)."""
+        self._reject_child(reason).inc()
+
     def watch_sizes(
         self, waiters: Callable[[], float], early: Callable[[], float],
-        early_bytes: Callable[[], float],
+        early_bytes: Callable[[], float], *, finished: Callable[[], float] | None = None,
     ) -> None:
         """Make the size gauges read the table at scrape time (nothing on the hot path)."""
         self.waiters.set_function(waiters)
         self.early_arrivals.set_function(early)
         self.early_arrival_bytes.set_function(early_bytes)
+        if finished is not None:
+            self.finished.set_function(finished)

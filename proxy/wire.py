@@ -7,9 +7,23 @@ when a shared secret is configured, where ``mac = HMAC-SHA256(secret, payload)``
 ``kind``), then the payload for that kind, so an unknown version or kind is reported as such
 instead of as a generic decode error.
 
-Compatibility: a map without ``v`` but with a string ``req_id`` field is LMCache's proxy
-notification (``ProxyNotif`` / ``NixlMsg``, msgpack or JSON); it decodes to ``KVReady`` with
-status ``ok``.
+Everything here is untrusted input until the MAC checked out, and even then it came from a
+process that anyone able to send a prefill request can steer. So before any hashing or
+parsing the receiver checks the cheap things: one or two frames, a payload of at most
+``max_frame_bytes`` and a MAC frame of exactly `MAC_SIZE` bytes. Decoding is bounded too:
+msgspec raises RecursionError on deeply nested input, which becomes ``malformed`` here like
+every other decode failure. `FrameDecoder.decode` returns a message or raises `WireError`,
+nothing else.
+
+A notice is bound to one wait by ``KVReady.token`` (v2): the router puts a fresh random token
+in the prefill leg's kv_transfer_params (``notify_token``) and the engine echoes it inside the
+signed payload. A valid MAC only proves that *an* engine sent the notice; the token proves
+that the engine was asked by the router for this request (see proxy.waiters).
+
+Compatibility: v1 frames decode (their token is ``""``). A map without ``v`` but with a
+string ``req_id`` field is LMCache's proxy notification (``ProxyNotif`` / ``NixlMsg``,
+msgpack or JSON); it decodes to ``KVReady`` with status ``ok`` and no token, so it can only
+wake a waiter registered without a token.
 """
 
 from __future__ import annotations
@@ -18,20 +32,31 @@ import hashlib
 import hmac
 import time
 from collections.abc import Sequence
-from typing import Annotated, Literal
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
 
 # Protocol version history (bump on any change a receiver of the old version would misread):
 #   1: KVReady{v, request_id, engine_id, num_tokens, num_blocks, status, error, ts} and
 #      Heartbeat{v, engine_id, ts}; optional HMAC-SHA256 trailer frame.
-PROTOCOL_VERSION = 1
-SUPPORTED_VERSIONS = frozenset({1})
+#   2: KVReady gains `token` (<= MAX_TOKEN_LENGTH chars, default ""): the router's per-request
+#      `notify_token`, echoed by the engine. A v1 receiver would accept a v2 notice while
+#      ignoring its token, hence the bump. v1 frames still decode, with token "".
+PROTOCOL_VERSION = 2
+SUPPORTED_VERSIONS = frozenset({1, 2})
 
 MAC_SIZE = hashlib.sha256().digest_size
+# Largest payload frame decoded by default. A KVReady is a few hundred bytes (request id
+# <= 1 KiB, token <= 128); the bound caps what one junk frame can cost (HMAC + parse) and hold.
+MAX_FRAME_BYTES = 16 << 10
+MAX_TOKEN_LENGTH = 128
 
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+Token = Annotated[str, msgspec.Meta(max_length=MAX_TOKEN_LENGTH)]
 Count = Annotated[int, msgspec.Meta(ge=0)]
+
+T = TypeVar("T")
+_Decoder = msgspec.msgpack.Decoder[T] | msgspec.json.Decoder[T]
 
 
 class _Message(msgspec.Struct, tag_field="kind", frozen=True, kw_only=True):
@@ -44,6 +69,9 @@ class KVReady(_Message, tag="kv_ready", frozen=True):
     Sent by the prefill engine (after its NIXL WRITE completes, or fails) to the router proxy
     whose address came in the request's kv_transfer_params. `ts` is the sender's wall clock
     (seconds since the epoch), for logs only: receivers never compare clocks with it.
+    `token` is the ``notify_token`` the router put in the request's kv_transfer_params,
+    echoed unchanged (``""`` when there was none); a waiter registered with a token only
+    accepts a notice carrying the same one.
     """
 
     request_id: RequestId
@@ -53,6 +81,7 @@ class KVReady(_Message, tag="kv_ready", frozen=True):
     status: Literal["ok", "failed"] = "ok"
     error: str | None = None
     ts: float = msgspec.field(default_factory=time.time)
+    token: Token = ""
 
 
 class Heartbeat(_Message, tag="heartbeat", frozen=True):
@@ -73,8 +102,10 @@ KIND_UNKNOWN = "unknown"
 class WireError(ValueError):
     """A frame that must be dropped; `reason` is a metric label value.
 
-    reasons: ``malformed`` (not a valid message), ``bad_version`` (version not supported),
-    ``unknown_kind`` (valid envelope, kind not known), ``bad_mac`` (MAC missing or wrong).
+    reasons: ``malformed`` (not a valid message, wrong frame count, nested too deeply),
+    ``too_large`` (payload frame over ``max_frame_bytes``, not even authenticated),
+    ``bad_version`` (version not supported), ``unknown_kind`` (valid envelope, kind not
+    known), ``bad_mac`` (MAC missing, of the wrong size or wrong).
     """
 
     def __init__(self, reason: str, detail: str, kind: str = KIND_UNKNOWN) -> None:
@@ -114,16 +145,18 @@ class FrameDecoder:
     """Turns received multipart frames into messages; stateless after construction.
 
     With a secret, frames must be ``[payload, mac]`` with a valid MAC. Without one, a trailer
-    frame is ignored (the receiver trusts the network). Built once per receiver and reused.
+    frame is ignored (the receiver trusts the network). Payloads over `max_frame_bytes` are
+    refused before the MAC is computed. Built once per receiver and reused.
     """
 
-    def __init__(self, secret: bytes | None = None) -> None:
+    def __init__(self, secret: bytes | None = None, *,
+                 max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         # A keyed HMAC state copied per frame skips re-deriving the key pads (~30% faster).
         self._mac = None if secret is None else hmac.new(secret, digestmod=hashlib.sha256)
+        self._max_bytes = max_frame_bytes
         self._env = (msgspec.msgpack.Decoder(_Envelope), msgspec.json.Decoder(_Envelope))
         self._lmc = (msgspec.msgpack.Decoder(_LMCacheNotif), msgspec.json.Decoder(_LMCacheNotif))
-        self._by_kind: dict[str, tuple[msgspec.msgpack.Decoder[Message],
-                                       msgspec.json.Decoder[Message]]] = {
+        self._by_kind: dict[str, tuple[_Decoder[Message], _Decoder[Message]]] = {
             str(t.__struct_config__.tag): (msgspec.msgpack.Decoder(t), msgspec.json.Decoder(t))
             for t in (KVReady, Heartbeat)
         }
@@ -132,10 +165,7 @@ class FrameDecoder:
         """Return ``(kind label, message)``; raise `WireError` for anything to drop."""
         payload = self._authenticate(frames)
         fmt = 1 if payload[:1] == b"{" else 0  # JSON objects start with '{'; msgpack maps never
-        try:
-            env = self._env[fmt].decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise WireError("malformed", str(exc)) from None
+        env = _parse(self._env[fmt], payload, KIND_UNKNOWN)
         if env.v is None:
             return self._decode_lmcache(env, payload, fmt)
         if env.v not in SUPPORTED_VERSIONS:
@@ -143,29 +173,38 @@ class FrameDecoder:
         decoders = self._by_kind.get(env.kind or "")
         if decoders is None:
             raise WireError("unknown_kind", f"kind {env.kind!r}")
-        try:
-            return env.kind or "", decoders[fmt].decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise WireError("malformed", str(exc), env.kind or KIND_UNKNOWN) from None
+        kind = env.kind or ""
+        return kind, _parse(decoders[fmt], payload, kind)
 
     def _authenticate(self, frames: Sequence[bytes]) -> bytes:
+        # Cheapest checks first: a junk frame should cost a few length comparisons, not an
+        # HMAC over up to max_frame_bytes.
         if not frames or len(frames) > 2:
             raise WireError("malformed", f"{len(frames)} frames")
+        payload = frames[0]
+        if len(payload) > self._max_bytes:
+            raise WireError("too_large", f"{len(payload)} bytes > {self._max_bytes}")
         if self._mac is None:
-            return frames[0]
-        if len(frames) != 2:
-            raise WireError("bad_mac", "missing MAC")
+            return payload
+        if len(frames) != 2 or len(frames[1]) != MAC_SIZE:
+            raise WireError("bad_mac", "missing MAC" if len(frames) != 2 else "MAC size")
         mac = self._mac.copy()
-        mac.update(frames[0])
+        mac.update(payload)
         if not hmac.compare_digest(frames[1], mac.digest()):
             raise WireError("bad_mac", "wrong MAC")
-        return frames[0]
+        return payload
 
     def _decode_lmcache(self, env: _Envelope, payload: bytes, fmt: int) -> tuple[str, Message]:
         if env.req_id is None:
             raise WireError("malformed", "no version and no req_id")
-        try:
-            notif = self._lmc[fmt].decode(payload)
-        except msgspec.ValidationError as exc:
-            raise WireError("malformed", str(exc), KIND_LMCACHE) from None
+        notif = _parse(self._lmc[fmt], payload, KIND_LMCACHE)
         return KIND_LMCACHE, KVReady(request_id=notif.req_id, engine_id=KIND_LMCACHE)
+
+
+def _parse(decoder: _Decoder[T], payload: bytes, kind: str) -> T:
+    # msgspec raises RecursionError (not DecodeError) on deeply nested arrays or maps, even in
+    # fields it skips; any of these is the sender's fault, never ours.
+    try:
+        return decoder.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:
+        raise WireError("malformed", str(exc)[:200], kind) from None

@@ -82,7 +82,7 @@ async def test_bad_frames_are_counted_and_loop_keeps_working(
     assert sample(server, MSGS, kind="unknown", result="malformed") == 2
     assert sample(server, MSGS, kind="kv_ready", result="bad_version") == 1
     assert sample(server, MSGS, kind="unknown", result="unknown_kind") == 1
-    assert sample(server, MSGS, kind="kv_ready", result="duplicate") == 1
+    assert sample(server, MSGS, kind="kv_ready", result="replay") == 1
     assert sample(server, MSGS, kind="heartbeat", result="ok") == 1
 
 

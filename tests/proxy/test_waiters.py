@@ -26,6 +26,9 @@ class FakeClock:
         return self.now
 
 
+REJECTED = "pdgate_proxy_notifications_rejected_total"
+
+
 def ready(rid: str, status: str = "ok", error: str | None = None) -> KVReady:
     return KVReady(request_id=rid, engine_id="p0", num_tokens=8, status=status,  # type: ignore[arg-type]
                    error=error)
@@ -103,14 +106,15 @@ async def test_failed_status_wakes_with_error() -> None:
     assert t.waiter_count() == 0
 
 
-async def test_duplicates_are_reported_and_first_wins() -> None:
-    t, _, _ = table()
+async def test_second_notices_are_replays_and_first_wins() -> None:
+    t, m, _ = table()
     assert deliver(t, ready("a")) == "early"
-    assert deliver(t, ready("a", status="failed")) == "duplicate"
+    assert deliver(t, ready("a", status="failed")) == "replay"
     t.register("b")
     assert deliver(t, ready("b")) == "delivered"
-    assert deliver(t, ready("b")) == "duplicate"
+    assert deliver(t, ready("b")) == "replay"
     assert (await t.wait("a", timeout=1)).status == "ok"
+    assert value(m, REJECTED, reason="replay") == 2
 
 
 async def test_cancel_wakes_active_waiter_and_removes_entries() -> None:
@@ -134,7 +138,8 @@ async def test_task_cancellation_removes_waiter() -> None:
     with pytest.raises(asyncio.CancelledError):
         await task
     assert t.waiter_count() == 0
-    assert deliver(t, ready("a")) == "early"  # late message: held until reaped
+    assert deliver(t, ready("a")) == "unknown_waiter"  # late message: its waiter is gone
+    assert t.early_count() == 0
 
 
 async def test_second_concurrent_wait_is_refused() -> None:

@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import FrameType
 
+from engine_shim import credentials
+from engine_shim.body_limit import DEFAULT_MAX_BODY_BYTES
 from engine_shim.engine import Engine, EngineConfig
 from engine_shim.kv_layout import LAYOUTS
 from engine_shim.metrics import ShimMetrics
-from engine_shim.server import ConnectorFactory, ManagedConnector, create_app
+from engine_shim.server import ConnectorFactory, ManagedConnector, ServerSettings, create_app
 
 log = logging.getLogger("engine_shim")
 
@@ -59,9 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-reserve-seconds", type=float, default=60.0,
                    help="notify mode: how long a decode engine keeps blocks reserved for a "
                    "prefill engine's write before freeing them unclaimed")
-    p.add_argument("--notify-secret", default=None,
+    p.add_argument("--notify-secret", default=None, metavar="SECRET",
                    help="shared secret signing KV-ready notifications to the router "
-                   "(same as the router's --notify-secret)")
+                   "(same as the router's --notify-secret; or env "
+                   f"{credentials.NOTIFY_SECRET_ENV}, or a file named by "
+                   f"{credentials.NOTIFY_SECRET_ENV}_FILE)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="Bearer key every request must send (Authorization: Bearer KEY), "
+                   "except GET /health and, unless --protect-metrics, GET /metrics; at least "
+                   f"{credentials.MIN_API_KEY_CHARS} characters (or env "
+                   f"{credentials.API_KEY_ENV}, or a file named by "
+                   f"{credentials.API_KEY_ENV}_FILE; the same key as the router's "
+                   "--engine-api-key). Default: none, every route open (a warning is logged)")
+    p.add_argument("--protect-metrics", action="store_true",
+                   help="GET /metrics needs the API key too (default: open for Prometheus)")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                   metavar="N",
+                   help="largest request body accepted; a bigger one gets a 413 before it "
+                   "is read (by its Content-Length) or as soon as a chunked body crosses it")
     p.add_argument("--no-kv-transfer", action="store_true",
                    help="start without the NIXL connector (colocated serving only; decode "
                    "requests recompute the prompt)")
@@ -98,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"], help="log level")
     return p
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -156,8 +182,26 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     )
 
 
+def secured_settings(args: argparse.Namespace,
+                     environ: Mapping[str, str]) -> tuple[ServerSettings, str | None]:
+    """The HTTP edge and the notify secret, from the flags or else `environ` (see
+    `credentials`). Raises CredentialError when a secret cannot be used."""
+    edge = ServerSettings(api_key=credentials.api_key(args.api_key, environ),
+                          protect_metrics=args.protect_metrics,
+                          max_body_bytes=args.max_body_bytes)
+    if edge.protect_metrics and edge.api_key is None:
+        raise credentials.CredentialError(
+            f"--protect-metrics needs an API key (--api-key or {credentials.API_KEY_ENV})")
+    return edge, credentials.notify_secret(args.notify_secret, environ)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        edge, notify_secret = secured_settings(args, os.environ)
+    except credentials.CredentialError as e:
+        parser.error(str(e))
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -172,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             side_channel_host=args.side_channel_host,
             side_channel_port=args.side_channel_port,
             lease_seconds=args.kv_lease_seconds,
-            notify_secret=args.notify_secret,
+            notify_secret=notify_secret,
         ))
     kv = engine.kv
     log.info("serving %s (max_model_len %d, %d blocks of %d) on http://%s:%d; model on %s, "
@@ -182,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     config = uvicorn.Config(
-        create_app(engine, connector_factory=factory), host=args.host, port=args.port,
+        create_app(engine, connector_factory=factory, settings=edge), host=args.host,
+        port=args.port,
         loop="uvloop", http="httptools", log_level=args.log_level,
         timeout_graceful_shutdown=args.graceful_shutdown_timeout, access_log=False,
     )

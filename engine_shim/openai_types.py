@@ -11,7 +11,7 @@ set of prefill blocks is never shared by several decode children).
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -110,14 +110,23 @@ _Body = TypeVar("_Body", bound=msgspec.Struct)
 
 
 def decode_request(body: bytes, kind: type[_Body]) -> _Body:
-    """Decode and type-check a JSON body; raises RequestError naming the bad field."""
+    """Decode and type-check a JSON body; raises RequestError naming the bad field. Hostile
+    bodies are 400s too: invalid UTF-8 anywhere (JSON text is UTF-8; msgspec alone would
+    skip bad bytes in unknown keys) and nesting too deep to decode (RecursionError, also
+    inside fields typed `Any`). Bodies are size-bounded before this (`body_limit.py`)."""
     try:
+        body.decode()
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         match = re.search(r"at `\$\.([A-Za-z_]+)", str(e))
         raise RequestError(str(e), param=match.group(1) if match else None) from e
     except msgspec.DecodeError as e:
         raise RequestError(f"request body is not valid JSON: {e}") from e
+    except UnicodeDecodeError as e:
+        raise RequestError(f"request body is not valid UTF-8: {e.reason} at byte "
+                           f"{e.start}") from e
+    except RecursionError as e:
+        raise RequestError("request body is nested too deeply") from e
 
 
 def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -293,6 +302,9 @@ def sse(data: dict[str, Any]) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+MAX_NOTIFY_TOKEN_CHARS = 128
+
+
 class KVTransferParams(msgspec.Struct, kw_only=True):
     """`kv_transfer_params` of a request, as vLLM's NixlConnector reads them.
 
@@ -310,6 +322,8 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     remote_request_id: str | None = None
     tp_size: int | None = None
     pdgate_mode: str | None = None  # "notify" | "push" (engine_shim/push.py); None = pull
+    # The router's random token for this request's KV-ready notice (P echoes it).
+    notify_token: Annotated[str, msgspec.Meta(max_length=MAX_NOTIFY_TOKEN_CHARS)] | None = None
     # Tokens P sampled that the client already has: this decode continues after them.
     first_token_ids: list[int] | None = None
     # Push decode leg: continue after the token(s) P names in its landed notice (the router

@@ -11,6 +11,11 @@ side channel, so a router can point D at P).
 prefill side (the reply carries the params a decode engine needs), `do_remote_prefill` makes
 it the decode side (it reads the prompt's KV before decoding). The connector request id is the
 `X-Request-Id` header when present (the router sends the same one on both legs).
+
+The HTTP edge (`ServerSettings`): with an API key every route but `GET /health` (and
+`GET /metrics` unless `protect_metrics`) needs `Authorization: Bearer <key>` (`auth.py`);
+bodies over `max_body_bytes` are refused with a 413 before they are buffered
+(`body_limit.py`). Refusals are counted in `pdgate_shim_http_refused_total{reason}`.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
 from engine_shim import openai_types as ot
+from engine_shim.auth import EngineAuth
+from engine_shim.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from engine_shim.engine import Engine, EngineError, KVTransfer, RequestStream
 from engine_shim.sequence import GenerateRequest, KVRole, StepOutput
 
@@ -66,9 +73,21 @@ class ReserveRequest(msgspec.Struct, kw_only=True):
     num_tokens: int
 
 
-def create_app(engine: Engine, *, connector_factory: ConnectorFactory | None = None) -> FastAPI:
+class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The HTTP edge of one shim (from `cli.py`). `api_key` None: every route is open (a
+    warning is logged at startup); `protect_metrics`: GET /metrics needs the key too."""
+
+    api_key: str | None = None
+    protect_metrics: bool = False
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+
+
+def create_app(engine: Engine, *, connector_factory: ConnectorFactory | None = None,
+               settings: ServerSettings | None = None) -> FastAPI:
     """Build the app around a loaded `engine`. The lifespan starts the engine loop and (when
-    `connector_factory` is given) the KV connector, and stops both on shutdown."""
+    `connector_factory` is given) the KV connector, and stops both on shutdown. `settings`:
+    authentication and body limit (default: no key, `DEFAULT_MAX_BODY_BYTES`)."""
+    edge = settings or ServerSettings()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -81,6 +100,10 @@ def create_app(engine: Engine, *, connector_factory: ConnectorFactory | None = N
             engine.attach_connector(connector)
             leased = connector.leased_blocks
             engine.metrics.blocks_leased.set_function(lambda: float(leased()))
+        if edge.api_key is None:
+            log.warning("no API key (--api-key, PDGATE_ENGINE_API_KEY): every route of this "
+                        "engine, including the internal /v1/kv/* and /debug/* ones, is open "
+                        "to anyone who can reach its port")
         try:
             await engine.start()
             yield
@@ -94,7 +117,19 @@ def create_app(engine: Engine, *, connector_factory: ConnectorFactory | None = N
     app.add_exception_handler(ot.RequestError, _request_error)  # type: ignore[arg-type]
     app.add_exception_handler(EngineError, _engine_error)  # type: ignore[arg-type]
     _add_routes(app, engine)
+    _add_edge(app, engine, edge)
     return app
+
+
+def _add_edge(app: FastAPI, engine: Engine, edge: ServerSettings) -> None:
+    """The middlewares; the last added runs first: auth refuses before the body is read."""
+    refused = engine.metrics.http_refused
+    app.add_middleware(BodyLimit, max_bytes=edge.max_body_bytes,
+                       on_refuse=refused.labels(reason="body_too_large").inc)
+    if edge.api_key is not None:
+        app.add_middleware(EngineAuth, api_key=edge.api_key,
+                           protect_metrics=edge.protect_metrics,
+                           on_refuse=refused.labels(reason="unauthorized").inc)
 
 
 def _add_routes(app: FastAPI, engine: Engine) -> None:

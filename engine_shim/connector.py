@@ -515,7 +515,8 @@ class KVConnector:
             self._sender = NotifySender(secret=self._notify_secret)
         msg = KVReady(request_id=t.notify_request_id or m.request_id, engine_id=self.engine_id,
                       num_tokens=m.num_tokens, num_blocks=len(m.block_ids),
-                      status="failed" if error else "ok", error=error)
+                      status="failed" if error else "ok", error=error,
+                      token=t.notify_token)
         if not self._sender.send(t.notify_endpoint, msg):
             log.warning("request %s: KV-ready queue to %s is full; notice dropped",
                         m.request_id, t.notify_endpoint)

@@ -17,6 +17,7 @@ import msgspec
 
 from engine_shim.sampler import SamplingParams
 from engine_shim.sequence import StepOutput
+from proxy.wire import MAX_TOKEN_LENGTH as MAX_NOTIFY_TOKEN_CHARS  # what KVReady.token holds
 
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 
@@ -300,9 +301,6 @@ def sse(data: dict[str, Any]) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
-
-
-MAX_NOTIFY_TOKEN_CHARS = 128
 
 
 class KVTransferParams(msgspec.Struct, kw_only=True):

@@ -32,7 +32,7 @@ from router.pool import Endpoint
 
 __all__ = ["check_engine_url", "endpoint_info", "install_admin_routes", "redacted_config"]
 
-_SECRETS = ("api_key", "admin_api_key", "notify_secret")
+_SECRETS = ("api_key", "api_keys", "admin_api_key", "engine_api_key", "notify_secret")
 _REDACTED = "<redacted>"
 _encode = msgspec.json.Encoder().encode
 _MAX_BODY = 64 * 1024

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +37,7 @@ from router.errors import (
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, StreamResult
 from router.pool import EndpointPool
+from router.request_ids import client_request_id, new_internal_id
 from router.schema import ClientRequest, classify_prompt, parse_chat, parse_completion
 
 __all__ = ["RouterState", "StateHolder", "install_error_handlers", "install_routes"]
@@ -164,9 +164,13 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def build_request(
-    kind: str, raw: bytes, request: Request, request_id: str, served: list[str]
+    kind: str, raw: bytes, request: Request, request_id: str, served: list[str],
+    client_id: str | None = None,
 ) -> ClientRequest:
-    """Validate `raw` into a `ClientRequest` (raises `RouterError` subclasses)."""
+    """Validate `raw` into a `ClientRequest` (raises `RouterError` subclasses).
+
+    `request_id` is the router's internal id (router/request_ids.py): the only id engines
+    see. `client_id` is the client's sanitised `X-Request-Id`, kept for logs."""
     if kind == "chat":
         body, chat = parse_chat(raw)
         req = ClientRequest("chat", "/v1/chat/completions", body, chat, request_id, {})
@@ -183,6 +187,7 @@ def build_request(
             headers[name] = value
     req.engine_headers = headers
     req.client_headers = request.headers
+    req.client_request_id = client_id
     return req
 
 
@@ -192,15 +197,15 @@ def _completion_handler(
     async def handler(request: Request) -> Response:
         st = holder.state
         t0 = time.perf_counter()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        ids = _Ids(new_internal_id(), client_request_id(request.headers.get("x-request-id")))
         try:
             # Before the body is read: a refused request costs no body memory.
             slot = await st.admission.acquire() if st.admission else None
         except Overloaded as exc:
             st.metrics.child(st.metrics.admission_rejected, exc.reason).inc()
             _count(st, route, exc.status, t0)
-            return error_response(exc, request_id)
-        response = await serve(request, st, t0, request_id)
+            return error_response(exc, ids.echo)
+        response = await serve(request, st, t0, ids)
         if slot is not None:
             if isinstance(response, RelayResponse):
                 response.on_close(slot.release)
@@ -208,22 +213,23 @@ def _completion_handler(
                 slot.release()
         return response
 
-    async def serve(request: Request, st: RouterState, t0: float, request_id: str) -> Response:
+    async def serve(request: Request, st: RouterState, t0: float, ids: _Ids) -> Response:
         try:
             raw = await read_body(request, st.config.max_body_bytes)
-            req = build_request(kind, raw, request, request_id, st.config.served_names)
+            req = build_request(kind, raw, request, ids.internal, st.config.served_names,
+                                ids.client)
             result = await until_disconnected(request, st.orchestrator.handle(req))
         except RouterError as exc:
             _count(st, route, exc.status, t0)
-            return error_response(exc, request_id)
+            return error_response(exc, ids.echo)
         except ClientGone:
             _count(st, route, 499, t0)  # nginx's "client closed request"; nobody reads it
             return Response(b"", 499)
         except Exception:  # a bug: log it, answer like an engine would, keep serving
-            log.exception("request %s failed", request_id)
+            log.exception("request %s (client id %s) failed", ids.internal, ids.client)
             _count(st, route, 500, t0)
-            return error_response(RouterError("internal router error"), request_id)
-        headers = {"X-Request-Id": request_id, **_engine_headers(req)}
+            return error_response(RouterError("internal router error"), ids.echo)
+        headers = {"X-Request-Id": ids.echo, **_engine_headers(req)}
         if isinstance(result, bytes):
             _count(st, route, 200, t0)
             return Response(result, 200, headers, "application/json")
@@ -233,6 +239,17 @@ def _completion_handler(
         return RelayResponse(result, {**headers, **_SSE_HEADERS}, done)
 
     return handler
+
+
+@dataclass(frozen=True, slots=True)
+class _Ids:
+    internal: str  # engines' key
+    client: str | None  # the client's sanitised X-Request-Id
+
+    @property
+    def echo(self) -> str:
+        """The response's X-Request-Id: the client's own id, else ours."""
+        return self.client or self.internal
 
 
 def _engine_headers(req: ClientRequest) -> dict[str, str]:

@@ -75,9 +75,10 @@ def create_app(
     if config.admin_api_key:
         install_admin_routes(app, holder)
     install_error_handlers(app)
-    if config.api_key or config.admin_api_key:
+    if config.client_api_keys or config.admin_api_key:
         app.add_middleware(
-            AuthMiddleware, api_key=config.api_key, admin_api_key=config.admin_api_key
+            AuthMiddleware, api_keys=config.client_api_keys,
+            admin_api_key=config.admin_api_key,
         )
     return app
 

@@ -1,56 +1,101 @@
-"""Bearer-key checks for the OpenAI routes (`/v1/*`) and the admin API (`/admin/*`).
+"""Key checks for the OpenAI routes (`/v1/*`), the admin API (`/admin/*`) and the status
+page (`/dashboard*`).
 
-A pure ASGI middleware (no per-request objects beyond a header scan) with two independent
-keys: `api_key` guards `/v1/`, `admin_api_key` guards `/admin/`. `/health`, `/ready` and
-`/metrics` stay open on purpose: load balancers and Prometheus scrape them without
-credentials, and they reveal no request data. Keys are compared in constant time
-(`hmac.compare_digest`) and never logged; a refused request gets a 401 with an OpenAI-style
-error body and `WWW-Authenticate: Bearer`.
+A pure ASGI middleware (no per-request objects beyond a header scan). Client keys (any of
+`RouterConfig.client_api_keys`) guard `/v1/`; `admin_api_key` guards `/admin` and
+`/dashboard` (the page shows engine addresses and state). The dashboard also takes HTTP
+Basic credentials with the admin key as password, so a browser can open it (it prompts once
+and resends them for the page's polling). `/health`, `/ready` and `/metrics` stay open on
+purpose: load balancers and Prometheus scrape them without credentials, and they reveal no
+request data. Every accepted key is compared in constant time (`hmac.compare_digest`, all
+keys checked, no early exit) and never logged; a refused request gets a 401 with an
+OpenAI-style error body and a `WWW-Authenticate` challenge.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
+from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.errors import Unauthorized, error_json
 
-__all__ = ["AuthMiddleware", "bearer_matches"]
+__all__ = ["AuthMiddleware", "any_key_matches", "bearer_matches"]
 
 
 def bearer_matches(authorization: bytes | None, key: bytes) -> bool:
     """True when an `Authorization` header value is `Bearer <key>` (scheme case-insensitive,
     constant-time comparison of the key)."""
+    return any_key_matches(authorization, (key,))
+
+
+def any_key_matches(
+    authorization: bytes | None, keys: Sequence[bytes], *, basic: bool = False
+) -> bool:
+    """True when `authorization` carries one of `keys`: `Bearer <key>`, or with `basic`
+    also HTTP Basic with the key as password (any user name). Compares against every key
+    so the time taken does not tell which one was close."""
+    token = _credential(authorization, basic)
+    if token is None:
+        return False
+    matched = False
+    for key in keys:
+        matched |= hmac.compare_digest(token, key)
+    return matched
+
+
+def _credential(authorization: bytes | None, basic: bool) -> bytes | None:
     if authorization is None:
-        return False
+        return None
     scheme, _, token = authorization.strip().partition(b" ")
-    if scheme.lower() != b"bearer":
-        return False
-    return hmac.compare_digest(token.strip(), key)
+    scheme = scheme.lower()
+    if scheme == b"bearer":
+        return token.strip()
+    if basic and scheme == b"basic":
+        try:
+            decoded = base64.b64decode(token.strip(), validate=True)
+        except (binascii.Error, ValueError):
+            return None
+        return decoded.partition(b":")[2]
+    return None
+
+
+class _Rule:
+    __slots__ = ("prefix", "keys", "basic")
+
+    def __init__(self, prefix: str, keys: Sequence[str], basic: bool) -> None:
+        self.prefix = prefix
+        self.keys = tuple(k.encode() for k in keys)
+        self.basic = basic
 
 
 class AuthMiddleware:
-    """Refuses `/v1/` requests without `api_key` and `/admin/` requests without
-    `admin_api_key` (each check only when its key is set). Other paths pass through."""
+    """Refuses `/v1/` requests without one of `api_keys`, and `/admin` and `/dashboard`
+    requests without `admin_api_key` (each check only when its keys are set). Other paths
+    pass through."""
 
     def __init__(
-        self, app: ASGIApp, *, api_key: str | None = None, admin_api_key: str | None = None
+        self, app: ASGIApp, *, api_keys: Sequence[str] = (), admin_api_key: str | None = None
     ) -> None:
         self.app = app
-        self._rules: list[tuple[str, bytes]] = []
-        if api_key:
-            self._rules.append(("/v1/", api_key.encode()))
+        self._rules: list[_Rule] = []
+        if api_keys:
+            self._rules.append(_Rule("/v1/", api_keys, basic=False))
         if admin_api_key:
-            self._rules.append(("/admin", admin_api_key.encode()))
+            self._rules.append(_Rule("/admin", [admin_api_key], basic=False))
+            self._rules.append(_Rule("/dashboard", [admin_api_key], basic=True))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._rules:
             path: str = scope["path"]
-            for prefix, key in self._rules:
-                if path.startswith(prefix):
-                    if not bearer_matches(_header(scope, b"authorization"), key):
-                        await _refuse(send)
+            for rule in self._rules:
+                if path.startswith(rule.prefix):
+                    auth = _header(scope, b"authorization")
+                    if not any_key_matches(auth, rule.keys, basic=rule.basic):
+                        await _refuse(send, basic=rule.basic)
                         return
                     break
         await self.app(scope, receive, send)
@@ -63,7 +108,7 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
     return None
 
 
-async def _refuse(send: Send) -> None:
+async def _refuse(send: Send, *, basic: bool = False) -> None:
     body = error_json(Unauthorized(
         "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'."
     ))
@@ -73,7 +118,7 @@ async def _refuse(send: Send) -> None:
         "headers": [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", b"Bearer"),
+            (b"www-authenticate", b'Basic realm="pdgate"' if basic else b"Bearer"),
         ],
     })
     await send({"type": "http.response.body", "body": body})

@@ -1,7 +1,8 @@
 """Command line for the router: `python -m router` and `pdgate router`.
 
-Every flag sets the `RouterConfig` field of the same name (dashes for underscores) and
-overrides the `--config` YAML file, which in turn overrides the defaults.
+Every flag sets the `RouterConfig` field of the same name (dashes for underscores).
+Precedence, later wins: defaults < `--config` YAML < `PDGATE_*` environment variables
+(router/settings_env.py) < flags.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import msgspec
 
 from router.config import ConfigError, RouterConfig, load_config
+from router.settings_env import env_overrides
 
 __all__ = ["build_parser", "main"]
 
@@ -31,10 +33,8 @@ _METAVARS = {
     "engine_scheme": "SCHEME", "k8s_api_url": "URL",
     "kv_events": "URL=ENDPOINT", "disagg_prefix_ratio": "RATIO",
     "notify_bind": "ENDPOINT", "notify_advertise_host": "HOST", "notify_secret": "SECRET",
-    "api_key": "KEY", "admin_api_key": "KEY",
+    "api_key": "KEY", "api_keys": "KEY", "admin_api_key": "KEY", "engine_api_key": "KEY",
 }
-# Secrets may come from the environment instead of the command line (visible in `ps`).
-_SECRET_ENV = {"api_key": "PDGATE_API_KEY", "admin_api_key": "PDGATE_ADMIN_API_KEY"}
 
 # (field, type, help). Lists are repeatable flags; the default is appended to the help.
 _FLAGS: tuple[tuple[str, Any, str], ...] = (
@@ -101,10 +101,15 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("max_queued_requests", int, "requests waiting for a slot; beyond that: 429 with "
                                  "Retry-After (0: no queue)"),
     ("queue_timeout_s", float, "seconds a queued request waits for a slot before its 429"),
-    ("api_key", str, "Bearer key required on /v1/* (default: open; or env PDGATE_API_KEY). "
-                     "/health, /ready and /metrics stay open"),
-    ("admin_api_key", str, "Bearer key of the /admin API; without it the admin API is off "
-                           "(or env PDGATE_ADMIN_API_KEY)"),
+    ("api_key", str, "Bearer key required on /v1/* (default: open). Prefer env "
+                     "PDGATE_API_KEY or PDGATE_API_KEY_FILE (flags show in ps). /health, "
+                     "/ready and /metrics stay open"),
+    ("api_keys", list, "another accepted client key (repeatable; env PDGATE_API_KEYS, "
+                       "comma-separated)"),
+    ("admin_api_key", str, "Bearer key of the /admin API and /dashboard; without it the "
+                           "admin API is off (env PDGATE_ADMIN_API_KEY)"),
+    ("engine_api_key", str, "key sent as 'Authorization: Bearer' on every engine call "
+                            "(shim/vLLM --api-key; env PDGATE_ENGINE_API_KEY)"),
     ("health_failure_threshold", int, "failed health checks in a row that mark an engine "
                                       "unhealthy"),
     ("health_success_threshold", int, "passing health checks in a row that mark it healthy "
@@ -149,10 +154,7 @@ def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
     """Parse `argv` into a `RouterConfig` (YAML file, then flags). Raises `ConfigError`."""
     args = vars(build_parser().parse_args(argv))
     yaml_path = args.pop("config", None)
-    for field, env in _SECRET_ENV.items():
-        if field not in args and os.environ.get(env):
-            args[field] = os.environ[env]
-    return load_config(yaml_path, args)
+    return load_config(yaml_path, {**env_overrides(os.environ), **args})
 
 
 def main(argv: list[str] | None = None) -> int:

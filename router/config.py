@@ -7,6 +7,8 @@ fields are an error naming the field, so a typo never silently falls back to a d
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -103,7 +105,11 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_queued_requests: int = 1024
     queue_timeout_s: float = 30.0
     api_key: str | None = None
+    api_keys: list[str] = []
     admin_api_key: str | None = None
+    # Sent as `Authorization: Bearer` on every engine call (shim `--api-key`, vLLM
+    # `--api-key`): engines then serve only this router, not whoever reaches their port.
+    engine_api_key: str | None = None
     # Health: probe verdicts need this many failures / successes in a row; this many errors
     # in a row on real requests open an engine's circuit breaker for `breaker_open_s`.
     health_failure_threshold: int = 2
@@ -120,6 +126,12 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     def served_names(self) -> list[str]:
         """Names clients may put in `model` (defaults to `[model]`)."""
         return list(self.served_model_name) or [self.model]
+
+    @property
+    def client_api_keys(self) -> list[str]:
+        """Every key accepted on `/v1/*`: `api_key` plus `api_keys` (empty: open)."""
+        keys = [self.api_key] if self.api_key else []
+        return keys + [k for k in self.api_keys if k not in keys]
 
     @property
     def tokenizer_source(self) -> str:
@@ -186,6 +198,8 @@ def engine_url_problem(url: str) -> str | None:
     """Why `url` is not a usable engine base URL, or None when it is: http(s) only, a host,
     a valid port, no credentials (they would reach logs and metric labels), no path, query
     or fragment. Used for static URLs here and by the admin API."""
+    if not url.strip().isascii() or not url.strip().isprintable() or " " in url.strip():
+        return "engine URL must be printable ASCII without spaces"
     try:
         parts = urlsplit(url.strip())
         parts.port  # noqa: B018 -- raises ValueError when out of range or not a number
@@ -195,11 +209,28 @@ def engine_url_problem(url: str) -> str | None:
         return "engine URL must start with http:// or https://"
     if not parts.hostname:
         return "engine URL needs a host"
+    if not _valid_host(parts.hostname):
+        return f"engine URL host {parts.hostname!r} is not a DNS name or IP address"
     if parts.username is not None or parts.password is not None:
         return "engine URL must not carry credentials"
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         return "engine URL is a base URL: no path, query or fragment"
     return None
+
+
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+
+
+def _valid_host(host: str) -> bool:
+    # urlsplit accepts spaces and control characters in the host; aiohttp would then fail
+    # every request to it, so such an engine must never enter the pool.
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    return len(host) <= 253 and all(_DNS_LABEL.fullmatch(label) for label in labels)
 
 
 def _validate_resilience(config: RouterConfig) -> None:
@@ -208,10 +239,13 @@ def _validate_resilience(config: RouterConfig) -> None:
             raise ConfigError(f"{field}: must be >= 0")
     if config.retry_backoff_s < 0:
         raise ConfigError("retry_backoff_s: must be >= 0")
-    for field in ("api_key", "admin_api_key"):
+    for field in ("api_key", "admin_api_key", "engine_api_key"):
         key = getattr(config, field)
         if key is not None and len(key) < 8:
             raise ConfigError(f"{field}: use at least 8 characters")
+    for key in config.api_keys:
+        if len(key) < 8:
+            raise ConfigError("api_keys: use at least 8 characters per key")
 
 
 def _validate_notify(config: RouterConfig) -> None:

@@ -262,8 +262,12 @@ class EngineClient:
             keepalive_timeout=config.engine_keepalive_s,
             ttl_dns_cache=300,
         )
+        # The engine key rides on every call (legs, health probes, KV aborts, reservations).
+        auth = {"Authorization": f"Bearer {config.engine_api_key}"} \
+            if config.engine_api_key else None
         session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",)
+            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
+            headers=auth,
         )
         return cls(session, config)
 

@@ -80,7 +80,7 @@ class ClientRequest:
     path: str
     body: dict[str, Any]
     params: CompletionParams | ChatParams
-    request_id: str
+    request_id: str  # the router's internal id: the engines' key (router/request_ids.py)
     engine_headers: dict[str, str]
     prompt: str | list[int] | None = None
     batch: bool = False
@@ -89,6 +89,8 @@ class ClientRequest:
     served_by: dict[str, str] = field(default_factory=dict)
     # The client's request headers (case-insensitive), for policies such as `session`.
     client_headers: Mapping[str, str] = field(default_factory=dict)
+    # The client's own X-Request-Id (sanitised), for logs and the response header only.
+    client_request_id: str | None = None
 
     @property
     def stream(self) -> bool:

@@ -140,3 +140,9 @@ async def pd(
     d = await make_engine(engine_id="D0")
     router = await start_router([p], [d])
     return p, d, router
+
+
+def engine_rid(engine: FakeEngine) -> str:
+    """The request id the router sent `engine` on its first leg (the router's own id, never
+    the client's X-Request-Id)."""
+    return str(engine.requests[0].headers["X-Request-Id"])

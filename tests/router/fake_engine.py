@@ -75,6 +75,8 @@ class FakeEngine:
     fail_continuations: bool = False
     reserves: list[dict[str, Any]] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
+    # (path, Authorization header or None) of every request, health probes included.
+    auth_seen: list[tuple[str, str | None]] = field(default_factory=list)
     url: str = ""
     _runner: web.AppRunner | None = None
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
@@ -95,7 +97,7 @@ class FakeEngine:
 
     async def start(self) -> str:
         self._stopping.clear()
-        app = web.Application()
+        app = web.Application(middlewares=[self._record_auth])
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_post("/v1/chat/completions", self._completion)
         app.router.add_get("/health", self._health)
@@ -170,6 +172,11 @@ class FakeEngine:
         if self._sender is None:
             self._sender = NotifySender()
         self._sender.send(endpoint, notice)
+
+    @web.middleware
+    async def _record_auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        self.auth_seen.append((request.path, request.headers.get("Authorization")))
+        return await handler(request)  # type: ignore[no-any-return]
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({}, status=self.health_status)

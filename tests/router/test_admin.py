@@ -20,6 +20,7 @@ BODY = {"model": MODEL, "prompt": "x"}
 @pytest.mark.parametrize("url", [
     "ftp://10.0.0.1:8000", "http://", "http://:8000", "10.0.0.1:8000", "http://u:p@h:1",
     "http://h:1/v1", "http://h:1?x=1", "http://h:1#f", "http://h:99999", "javascript:alert(1)",
+    "http://a b", "http://a b:8000", "http://a\tb:1", "http://-bad-:1", "http://a..b:1",
 ])
 def test_bad_engine_urls_are_refused(url: str) -> None:
     with pytest.raises(InvalidRequest):
@@ -75,6 +76,7 @@ async def test_list_add_drain_remove(make_engine: MakeEngine, start_router: Star
 
 @pytest.mark.parametrize("body", [
     {"url": "ftp://x:1", "role": "decode"}, {"url": "http://x:1", "role": "both"},
+    {"url": "http://a b", "role": "decode"},
     {"url": "http://x:1"}, {"url": "http://x:1", "role": "decode", "extra": 1}, "not json",
 ])
 async def test_add_engine_rejects_bad_bodies(

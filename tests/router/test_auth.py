@@ -120,3 +120,44 @@ async def test_engine_redirects_are_not_followed(
         stream = await router.client.post(COMPLETIONS, json={**BODY, "stream": True})
         assert stream.status_code == 502
     assert hits == []
+
+
+async def test_every_configured_client_key_works_and_others_fail(
+    make_engine: MakeEngine, start_router: StartRouter
+) -> None:
+    p, d = await make_engine(), await make_engine()
+    router = await start_router([p], [d], api_keys=["sk-first-key-1", "sk-second-key-2"])
+    c = router.client
+    assert (await c.post(COMPLETIONS, json=BODY)).status_code == 401
+    for key in ("sk-first-key-1", "sk-second-key-2"):
+        ok = await c.post(COMPLETIONS, json=BODY, headers={"Authorization": f"Bearer {key}"})
+        assert ok.status_code == 200
+    bad = await c.post(COMPLETIONS, json=BODY, headers={"Authorization": "Bearer sk-first"})
+    assert bad.status_code == 401
+
+
+async def test_dashboard_needs_the_admin_key(keyed: RunningRouter) -> None:
+    c = keyed.client
+    for path in ("/dashboard", "/dashboard/state"):
+        refused = await c.get(path)
+        assert refused.status_code == 401
+        assert refused.headers["WWW-Authenticate"].startswith("Basic")
+        assert "127.0.0.1" not in refused.text  # no engine address leaks
+        assert (await c.get(path, headers={"Authorization": f"Bearer {KEY}"})).status_code == 401
+        assert (await c.get(path, auth=("ops", "wrong-password"))).status_code == 401
+        # A browser sends the admin key as HTTP Basic password (any user name).
+        assert (await c.get(path, auth=("ops", ADMIN))).status_code == 200
+        ok = await c.get(path, headers={"Authorization": f"Bearer {ADMIN}"})
+        assert ok.status_code == 200
+
+
+async def test_engine_key_is_sent_on_every_engine_call(
+    make_engine: MakeEngine, start_router: StartRouter
+) -> None:
+    p, d = await make_engine(), await make_engine()
+    router = await start_router([p], [d], engine_api_key="sk-engine-key-9")
+    resp = await router.client.post(COMPLETIONS, json=BODY)
+    assert resp.status_code == 200
+    seen = p.auth_seen + d.auth_seen
+    assert {path for path, _ in seen} >= {"/health", "/v1/completions"}
+    assert {auth for _, auth in seen} == {"Bearer sk-engine-key-9"}

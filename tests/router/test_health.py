@@ -151,7 +151,9 @@ async def test_client_disconnect_cancels_a_non_streaming_request(
         call.cancel()  # the client goes away mid-request
     await eventually(lambda: router.metric("pdgate_engine_in_flight", labels) == 0,
                      "decode leg cancelled")
-    await eventually(lambda: p.aborts == [rid], "P told to free the request's blocks")
+    internal = p.prefills[0].headers["X-Request-Id"]
+    assert internal != rid  # engines key requests by the router's own id
+    await eventually(lambda: p.aborts == [internal], "P told to free the request's blocks")
     await eventually(
         lambda: router.metric("pdgate_requests_total",
                               {"route": COMPLETIONS, "status": "499"}) == 1,

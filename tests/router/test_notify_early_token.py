@@ -8,7 +8,7 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tests.router.conftest import MODEL, RunningRouter, sse_events, until
+from tests.router.conftest import MODEL, RunningRouter, engine_rid, sse_events, until
 from tests.router.fake_engine import FakeEngine
 
 MakeEngine = Callable[..., Awaitable[FakeEngine]]
@@ -48,7 +48,7 @@ async def test_stream_opens_with_p_token_and_d_continues_after_it(
     [decode] = d.decodes
     dkv = decode.body["kv_transfer_params"]
     assert dkv["first_token_ids"] == [7]
-    assert dkv["do_remote_prefill"] is True and dkv["reservation_id"] == "rid-e1@1"
+    assert dkv["do_remote_prefill"] is True and dkv["reservation_id"] == f"{engine_rid(p)}@1"
     assert decode.body["max_tokens"] == 4  # D counts P's token against the budget itself
     assert router.metric("pdgate_early_first_tokens_total", {"result": "kv"}) == 1
     assert p.aborts == [] and d.aborts == []
@@ -81,7 +81,7 @@ async def test_kv_lost_after_the_first_token_has_d_recompute_and_continue(
     # No transfer to use: D computes the prompt, still continuing after P's token.
     assert decode.body["kv_transfer_params"] == {"first_token_ids": [7]}
     assert router.metric("pdgate_early_first_tokens_total", {"result": "recompute"}) == 1
-    await until(lambda: p.aborts == ["rid-lost"] and d.aborts == ["rid-lost"])
+    await until(lambda: p.aborts == [engine_rid(p)] and d.aborts == [engine_rid(p)])
 
 
 async def test_requests_whose_first_token_may_differ_keep_the_plain_flow(
@@ -165,7 +165,7 @@ async def test_push_without_kv_from_p_runs_a_plain_decode_leg(
     assert resp.status_code == 200
     assert _texts(_events(resp.text)) == ["Hello", " world", "!"]  # nothing from P
     assert "kv_transfer_params" not in d.decodes[-1].body
-    await until(lambda: "rid-np" in d.aborts)
+    await until(lambda: engine_rid(p) in d.aborts)
 
 
 async def test_push_client_leaving_after_p_token_frees_p_blocks(
@@ -178,7 +178,7 @@ async def test_push_client_leaving_after_p_token_frees_p_blocks(
         async for line in r.aiter_lines():
             if line.startswith("data: {"):
                 break  # P's token arrived; the client walks away
-    await until(lambda: "rid-gone" in p.aborts)
+    await until(lambda: engine_rid(p) in p.aborts)
 
 
 async def test_push_finished_stream_does_not_abort_p(

@@ -7,7 +7,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from tests.router.conftest import MODEL, RunningRouter, until
+from tests.router.conftest import MODEL, RunningRouter, engine_rid, until
 from tests.router.fake_engine import FakeEngine
 
 MakeEngine = Callable[..., Awaitable[FakeEngine]]
@@ -31,20 +31,22 @@ async def test_notify_reserves_on_d_then_prefills_then_decodes(
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["text"] == "Hello world!"
     n = len(await tokenizer.encode_prompt("Hello world"))
-    assert d.reserves == [{"request_id": "rid-n1", "num_tokens": n}]
     [prefill] = p.requests
+    rid = prefill.headers["X-Request-Id"]  # the router's own id, not the client's
+    assert rid != "rid-n1" and resp.headers["x-request-id"] == "rid-n1"
+    assert d.reserves == [{"request_id": rid, "num_tokens": n}]
     kv = prefill.body["kv_transfer_params"]
     assert kv["do_remote_decode"] is True and kv["pdgate_mode"] == "notify"
     assert (kv["remote_engine_id"], kv["remote_port"]) == ("D0", 5700)
-    assert kv["reservation_id"] == "rid-n1@1" and kv["notify_request_id"] == "rid-n1"
+    assert kv["reservation_id"] == f"{rid}@1" and kv["notify_request_id"] == rid
     assert kv["notify_endpoint"].startswith("tcp://127.0.0.1:")
     assert kv["num_tokens"] == n and kv["write_deadline"] > time.time()
     assert prefill.body["max_tokens"] == 1 and prefill.body["stream"] is False
     [decode] = d.decodes
     dkv = decode.body["kv_transfer_params"]
-    assert dkv["do_remote_prefill"] is True and dkv["reservation_id"] == "rid-n1@1"
+    assert dkv["do_remote_prefill"] is True and dkv["reservation_id"] == f"{rid}@1"
     assert decode.body["max_tokens"] == 3
-    assert prefill.headers["X-Request-Id"] == decode.headers["X-Request-Id"] == "rid-n1"
+    assert decode.headers["X-Request-Id"] == rid
     assert resp.headers["x-pdgate-prefill-engine"] == p.url
     assert router.metric("pdgate_proxy_messages_total",
                          {"kind": "kv_ready", "result": "ok"}) == 1
@@ -70,7 +72,7 @@ async def test_notify_failed_transfer_is_502_and_frees_both_sides(
     assert resp.status_code == 502
     assert "fake write failure" in resp.json()["error"]["message"]
     assert d.decodes == []
-    await until(lambda: p.aborts == ["rid-f"] and d.aborts == ["rid-f"])
+    await until(lambda: p.aborts == [engine_rid(p)] and d.aborts == [engine_rid(p)])
     assert router.metric("pdgate_pd_flow_failures_total",
                          {"mode": "notify", "reason": "transfer_failed"}) == 1
 
@@ -84,7 +86,7 @@ async def test_notify_missing_kv_ready_is_504_at_the_deadline(
                                     headers={"X-Request-Id": "rid-t"})
     assert resp.status_code == 504
     assert "no KV-ready notification" in resp.json()["error"]["message"]
-    await until(lambda: p.aborts == ["rid-t"] and d.aborts == ["rid-t"])
+    await until(lambda: p.aborts == [engine_rid(p)] and d.aborts == [engine_rid(p)])
     assert router.metric("pdgate_proxy_waiters") == 0
 
 
@@ -96,7 +98,7 @@ async def test_notify_prefill_error_ends_the_wait_at_once(
                                     headers={"X-Request-Id": "rid-p"})
     assert resp.status_code == 502
     assert time.monotonic() - t0 < 5  # not the 10 s KV-ready deadline
-    await until(lambda: d.aborts == ["rid-p"])
+    await until(lambda: d.aborts == [engine_rid(p)])
     assert d.decodes == []
 
 
@@ -135,7 +137,8 @@ async def test_push_sends_both_legs_with_p_side_channel(
     assert dkv["pdgate_mode"] == "push" and dkv["do_remote_prefill"] is True
     assert (dkv["remote_engine_id"], dkv["remote_host"], dkv["remote_port"]) == (
         "P0", "127.0.0.1", 5700)
-    assert d.decodes[0].headers["X-Request-Id"] == "rid-push"
+    assert d.decodes[0].headers["X-Request-Id"] == p.prefills[0].headers["X-Request-Id"]
+    assert d.decodes[0].headers["X-Request-Id"] != "rid-push"
     assert d.aborts == [] and p.aborts == []
 
 
@@ -161,5 +164,5 @@ async def test_push_without_kv_from_p_tells_d_to_recompute(
     resp = await router.client.post("/v1/completions", json=BODY,
                                     headers={"X-Request-Id": "rid-np"})
     assert resp.status_code == 200
-    await until(lambda: d.aborts == ["rid-np"])
+    await until(lambda: d.aborts == [engine_rid(p)])
     assert router.metric("pdgate_fallbacks_total", {"reason": "no_kv_push"}) == 1

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -101,14 +102,17 @@ class NotifyFlow:
         """Register the KV-ready waiter, then send P the prefill leg naming D's blocks."""
         rid = req.request_id
         waiters = self.proxy.waiters
-        waiters.register(rid)  # before P can possibly notify
+        # A fresh secret per waiter that P echoes inside the signed notice: a notice P
+        # signed for another request, or a replay, cannot wake or fail this one.
+        token = secrets.token_hex(16)
+        waiters.register(rid, token)  # before P can possibly notify
         body = prefill_leg_body(req.body, {
             "pdgate_mode": MODE, "remote_engine_id": slot["engine_id"],
             "remote_host": slot["host"], "remote_port": slot["port"],
             "remote_agent_name": slot.get("agent_name"),
             "remote_block_ids": slot["block_ids"], "reservation_id": slot["reservation_id"],
             "num_tokens": n, "notify_endpoint": self.proxy.advertised_endpoint,
-            "notify_request_id": rid,
+            "notify_request_id": rid, "notify_token": token,
             # Past this (wall clock) P must not start writing: D's blocks are going away.
             "write_deadline": time.time() + self.timeout,
         })

@@ -156,6 +156,7 @@ class FakeEngine:
         if endpoint and self.kv_ready != "never":
             notice = KVReady(
                 request_id=params["notify_request_id"], engine_id=self.engine_id,
+                token=params.get("notify_token", ""),
                 status="ok" if self.kv_ready == "ok" else "failed",
                 error=None if self.kv_ready == "ok" else "fake write failure")
             if self.kv_ready_delay_s:

@@ -3,10 +3,13 @@ order, and what the client gets when a leg fails (router/flows_notify.py, flows_
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from proxy import NotifySender
+from proxy.wire import KVReady
 from tests.router.conftest import MODEL, RunningRouter, engine_rid, until
 from tests.router.fake_engine import FakeEngine
 
@@ -166,3 +169,25 @@ async def test_push_without_kv_from_p_tells_d_to_recompute(
     assert resp.status_code == 200
     await until(lambda: d.aborts == [engine_rid(p)])
     assert router.metric("pdgate_fallbacks_total", {"reason": "no_kv_push"}) == 1
+
+
+async def test_notify_forged_or_replayed_notices_cannot_fail_a_request(
+        make_engine: MakeEngine, start_router: StartRouter) -> None:
+    """Notices are bound to one waiter by the token the router gave P: a 'failed' notice for
+    the same request id without that token (forged, or signed by P for another request) is
+    dropped, and the request still completes with P's real notice."""
+    p, d, router = await _notify(make_engine, start_router, kv_ready_delay_s=0.5)
+    call = asyncio.ensure_future(router.client.post("/v1/completions", json=BODY))
+    await until(lambda: len(p.prefills) == 1)
+    kv = p.prefills[0].body["kv_transfer_params"]
+    assert len(kv["notify_token"]) == 32  # fresh per waiter
+    forged = [KVReady(request_id=kv["notify_request_id"], status="failed", error="forged"),
+              KVReady(request_id=kv["notify_request_id"], status="failed", error="forged",
+                      token="0" * 32)]
+    with NotifySender() as sender:
+        for notice in forged:
+            sender.send(kv["notify_endpoint"], notice)
+        resp = await call
+    assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == "Hello world!"
+    assert router.metric("pdgate_proxy_notifications_rejected_total",
+                         {"reason": "token_mismatch"}) == 2

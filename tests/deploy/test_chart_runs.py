@@ -1,0 +1,330 @@
+"""The chart's security settings, checked on the real processes: the router and shim
+Deployments' rendered args and env (secrets from the rendered Secrets, the pod IP as
+127.0.0.1, mounted secret files under a scratch directory) start `pdgate router` and
+`pdgate shim`, overriding only where they listen, the model (the tiny built-in one on the
+CPU) and the engine URLs (static instead of pod discovery).
+
+Two renders: default values with notify mode and client keys (shim engines), and
+values-vllm.yaml (pull mode; shims stand in for vLLM, given the key the vLLM pods get as
+VLLM_API_KEY). Then: clients need one of the chart's keys; engines take only the router's
+key; unsigned or badly signed KV-ready notices are dropped by the router's proxy; /dashboard
+and /admin need the admin key; every probe the chart declares answers without credentials.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+import zmq
+
+from proxy.wire import KVReady, to_frames
+from tests.deploy.conftest import MONITORING, NOTIFY_OVERRIDES, VLLM_VALUES, write_values
+from tests.deploy.helm_render import ROOT, Rendered, Renderer
+from tests.deploy.pods import Container, realize, secret_value
+
+pytestmark = pytest.mark.slow
+
+STARTUP_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples of `name` whose labels include `labels`."""
+    text = httpx.get(url + "/metrics", timeout=5.0).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        head, value = line.rsplit(" ", 1)
+        series, _, rest = head.partition("{")
+        if series == name and all(f'{k}="{v}"' in rest for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+def until(check: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+@dataclass
+class Proc:
+    name: str
+    url: str
+    container: Container
+    popen: subprocess.Popen[bytes]
+    log: Path
+    port_map: dict[int, int] = field(default_factory=dict)  # container port -> local port
+
+    def tail(self) -> str:
+        return f"--- {self.name}\n{self.log.read_text(errors='replace')[-4000:]}"
+
+    def wait(self, path: str, ok: Any, timeout: float = STARTUP_S) -> None:
+        deadline, last = time.monotonic() + timeout, ""
+        while time.monotonic() < deadline:
+            assert self.popen.poll() is None, f"{self.name} exited\n{self.tail()}"
+            try:
+                resp = httpx.get(self.url + path, timeout=2.0)
+                last = f"{resp.status_code} {resp.text[:200]}"
+                if ok(resp):
+                    return
+            except httpx.HTTPError as exc:
+                last = repr(exc)
+            time.sleep(0.3)
+        raise AssertionError(f"{self.name}: {path} not ready: {last}\n{self.tail()}")
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.terminate()
+            try:
+                self.popen.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+def start(name: str, entrypoint: list[str], c: Container, overrides: list[str], port: int,
+          logs: Path, env: dict[str, str] | None = None) -> Proc:
+    log = logs / f"{name}.log"
+    with log.open("wb") as out:
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "pdgate.cli", *entrypoint, *c.args, *overrides], cwd=ROOT,
+            env={**c.process_env(), **(env or {})}, stdout=out, stderr=subprocess.STDOUT)
+    return Proc(name, f"http://127.0.0.1:{port}", c, popen, log,
+                {c.ports.get("http", port): port})
+
+
+@dataclass
+class Deployment:
+    """A rendered release running here: router + one prefill and one decode engine."""
+
+    mode: str  # "notify" (shim engines) or "vllm" (pull; shims stand in for vLLM)
+    rendered: Rendered
+    router: Proc
+    engines: list[Proc]
+    client_keys: list[str]
+    engine_key: str
+    admin_key: str
+    notify_secret: str | None
+    notify_endpoint: str | None
+    model: str
+
+    def completion(self, url: str, key: str | None, max_tokens: int = 4) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(url + "/v1/completions", headers=headers, timeout=120.0, json={
+            "model": self.model, "prompt": "Hello world! How are you today?",
+            "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
+
+
+def one_container(r: Rendered, suffix: str) -> dict[str, Any]:
+    dep = r.one("Deployment", suffix)
+    assert len(dep["spec"]["template"]["spec"]["containers"]) == 1
+    # No `command`: the image's ENTRYPOINT (`pdgate router` / `pdgate shim`) runs the args.
+    assert "command" not in dep["spec"]["template"]["spec"]["containers"][0]
+    return dep
+
+
+def env_secret(r: Rendered, dep: dict[str, Any], var: str) -> str:
+    """The value of a secretKeyRef env var of `dep`'s container, from the rendered Secret."""
+    for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]:
+        if e["name"] == var:
+            ref = e["valueFrom"]["secretKeyRef"]
+            value = secret_value(r, ref["name"], ref["key"])
+            assert value, var
+            return value
+    raise AssertionError(f"{var} is not set")
+
+
+def launch(mode: str, r: Rendered, tmp: Path, tiny: Path) -> Deployment:
+    logs = tmp / "logs"
+    logs.mkdir()
+    router_dep = one_container(r, "-router")
+    router_c = realize(r, router_dep, tmp / "router")
+    config = yaml.safe_load(Path(router_c.args[router_c.args.index("--config") + 1]).read_text())
+    model = config["served_model_name"][0]
+    files = {name: Path(v).read_text() for name, v in router_c.env.items()
+             if name.endswith("_FILE")}
+    engine_key = files["PDGATE_ENGINE_API_KEY_FILE"]
+    engines: list[Proc] = []
+    router: Proc | None = None
+    try:
+        for role in ("prefill", "decode"):
+            port, side = free_port(), free_port()
+            if mode == "vllm":
+                # vLLM pods get the engine key as VLLM_API_KEY; a shim stands in for vLLM
+                # with that key (its PDGATE_ENGINE_API_KEY), serving the same model names.
+                vllm_dep = r.one("Deployment", f"-{role}")
+                key = env_secret(r, vllm_dep, "VLLM_API_KEY")
+                args = vllm_dep["spec"]["template"]["spec"]["containers"][0]["args"]
+                names = args[args.index("--served-model-name") + 1:args.index("--host")]
+                c = Container(role, ["--served-model-name", *names], {}, {"http": port}, {})
+                extra = {"PDGATE_ENGINE_API_KEY": key}
+            else:
+                c = realize(r, one_container(r, f"-{role}"), tmp / role)
+                extra = {}
+            engines.append(start(role, ["shim"], c, [
+                "--host", "127.0.0.1", "--port", str(port), "--model", str(tiny),
+                "--device", "cpu", "--side-channel-port", str(side)], port, logs, extra))
+        port = free_port()
+        overrides = ["--host", "127.0.0.1", "--port", str(port), "--model", str(tiny),
+                     "--discovery", "static", "--prefill", engines[0].url,
+                     "--decode", engines[1].url]
+        notify_endpoint = None
+        if config.get("pd_mode") == "notify":
+            # Rendered: bind every interface on the declared port, advertise the pod IP.
+            assert config["notify_bind"] == f"tcp://0.0.0.0:{router_c.ports['kv-notify']}"
+            assert router_c.env["PDGATE_NOTIFY_ADVERTISE_HOST"] == "127.0.0.1"
+            notify_endpoint = f"tcp://127.0.0.1:{free_port()}"
+            overrides += ["--notify-bind", notify_endpoint]
+        router = start("router", ["router"], router_c, overrides, port, logs)
+        for e in engines:
+            e.wait("/health", lambda resp: resp.status_code == 200)
+        router.wait("/ready", lambda resp: resp.status_code == 200 and (
+            resp.json().get("prefill_healthy"), resp.json().get("decode_healthy")) == (1, 1))
+    except BaseException:
+        for p in [*engines, *([router] if router else [])]:
+            p.stop()
+        raise
+    return Deployment(
+        mode, r, router, engines, files["PDGATE_API_KEYS_FILE"].split(","), engine_key,
+        files["PDGATE_ADMIN_API_KEY_FILE"], files.get("PDGATE_NOTIFY_SECRET_FILE"),
+        notify_endpoint, model)
+
+
+@pytest.fixture(scope="module", params=["notify", "vllm"])
+def deployment(request: pytest.FixtureRequest, renderer: Renderer, tiny_model_dir: Path,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    tmp = tmp_path_factory.mktemp(f"release-{request.param}")
+    if request.param == "vllm":
+        r = renderer.render(VLLM_VALUES, api_versions=MONITORING)
+    else:
+        r = renderer.render(write_values(tmp, NOTIFY_OVERRIDES))
+    d = launch(request.param, r, tmp, tiny_model_dir)
+    try:
+        yield d
+    finally:
+        for p in [d.router, *d.engines]:
+            p.stop()
+
+
+def test_clients_need_one_of_the_charts_api_keys(deployment: Deployment) -> None:
+    d = deployment
+    assert len(d.client_keys) >= 1 and all(len(k) >= 8 for k in d.client_keys)
+    for key in (None, "wrong-key-123456", d.engine_key, d.admin_key):
+        resp = d.completion(d.router.url, key)
+        assert resp.status_code == 401, (key, resp.text)
+        assert resp.headers["www-authenticate"] == "Bearer"
+    resp = httpx.get(d.router.url + "/v1/models", timeout=10.0)
+    assert resp.status_code == 401
+    for key in d.client_keys:  # every key of the comma-separated list
+        resp = d.completion(d.router.url, key)
+        assert resp.status_code == 200, f"{resp.text}\n{d.router.tail()}"
+        assert resp.json()["usage"]["completion_tokens"] == 4
+
+
+def test_engines_take_only_the_routers_key(deployment: Deployment) -> None:
+    d = deployment
+    for e in d.engines:
+        for key in (None, "wrong-key-123456", d.client_keys[0]):
+            resp = d.completion(e.url, key)
+            assert resp.status_code == 401, (e.name, key, resp.text)
+        # The KV-control routes the router alone should use.
+        for method, path, body in (("POST", "/v1/kv/reserve", {"num_tokens": 16}),
+                                   ("POST", "/v1/kv/abort", {"request_id": "x"}),
+                                   ("GET", "/debug/kv_transfers", None)):
+            resp = httpx.request(method, e.url + path, json=body, timeout=10.0)
+            assert resp.status_code == 401, (e.name, path, resp.text)
+        resp = d.completion(e.url, d.engine_key)
+        assert resp.status_code == 200, f"{resp.text}\n{e.tail()}"
+    # The router's requests carry the key: a completion through it is served by the engines.
+    before = [metric(e.url, "pdgate_shim_requests_total") for e in d.engines]
+    assert d.completion(d.router.url, d.client_keys[0]).status_code == 200
+    after = [metric(e.url, "pdgate_shim_requests_total") for e in d.engines]
+    assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+
+
+@pytest.mark.parametrize("deployment", ["notify"], indirect=True)  # vLLM: pull, no proxy
+def test_unsigned_kv_ready_notices_are_dropped(deployment: Deployment) -> None:
+    d = deployment
+    assert d.notify_secret and d.notify_endpoint
+
+    def dropped() -> float:
+        return metric(d.router.url, "pdgate_proxy_messages_total", result="bad_mac")
+
+    def accepted() -> float:
+        return metric(d.router.url, "pdgate_proxy_messages_total", kind="kv_ready", result="ok")
+
+    def received() -> float:
+        return metric(d.router.url, "pdgate_proxy_messages_total")
+
+    # A request through the router: P signs its notice with the secret from its own mounted
+    # file, the router's proxy accepts it.
+    ok = accepted()
+    assert d.completion(d.router.url, d.client_keys[0]).status_code == 200
+    until(lambda: accepted() >= ok + 1)
+    base_dropped = dropped()
+    forged = KVReady(request_id="forged-request", engine_id="attacker")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 2000)
+    try:
+        sock.connect(d.notify_endpoint)
+        sock.send_multipart(to_frames(forged))  # no MAC
+        sock.send_multipart(to_frames(forged, b"not-the-chart-secret-0123456789"))
+        sock.send_multipart([b'{"req_id": "forged-lmcache"}'])  # LMCache style, unsigned
+        until(lambda: dropped() >= base_dropped + 3)
+        # Signed with the chart's secret, the same notice passes the MAC check (whatever
+        # the waiter table then makes of it): the router holds that secret.
+        seen = received()
+        sock.send_multipart(to_frames(forged, d.notify_secret.encode()))
+        until(lambda: received() >= seen + 1)
+    finally:
+        sock.close()
+        ctx.term()
+    assert dropped() == base_dropped + 3
+
+
+def test_dashboard_and_admin_need_the_admin_key(deployment: Deployment) -> None:
+    d = deployment
+    for path in ("/dashboard", "/dashboard/state", "/admin/engines"):
+        for key in (None, d.client_keys[0], d.engine_key):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            resp = httpx.get(d.router.url + path, headers=headers, timeout=10.0)
+            assert resp.status_code == 401, (path, key, resp.status_code)
+        resp = httpx.get(d.router.url + path, timeout=10.0,
+                         headers={"Authorization": f"Bearer {d.admin_key}"})
+        assert resp.status_code == 200, (path, resp.text)
+
+
+def test_probes_and_metrics_answer_without_credentials(deployment: Deployment) -> None:
+    d = deployment
+    for p in [d.router, *d.engines]:
+        probes = p.container.probes
+        if d.mode == "vllm" and p is not d.router:
+            vllm = d.rendered.one("Deployment", f"-{p.name}")["spec"]["template"]["spec"]
+            probes = {k: v for k, v in vllm["containers"][0].items() if k.endswith("Probe")}
+        assert {"readinessProbe", "livenessProbe"} <= set(probes), p.name
+        for kind, probe in probes.items():
+            path = probe["httpGet"]["path"]
+            resp = httpx.get(p.url + path, timeout=10.0)
+            assert resp.status_code == 200, (p.name, kind, path, resp.status_code)
+        # Prometheus (ServiceMonitor / PodMonitor) scrapes without credentials.
+        assert httpx.get(p.url + "/metrics", timeout=10.0).status_code == 200

@@ -66,7 +66,7 @@ class EngineAuth:
         await _refuse(send)
 
     def _allowed(self, scope: Scope) -> bool:
-        if (scope.get("method", "GET"), scope["path"]) in self._open:
+        if scope["type"] == "http" and (scope["method"], scope["path"]) in self._open:
             return True
         return bearer_matches(_header(scope, b"authorization"), self._key)
 

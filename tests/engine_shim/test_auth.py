@@ -225,3 +225,27 @@ def test_cli_reads_the_key_from_a_mounted_file(tiny_model_dir: Path, tmp_path: P
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+async def test_websockets_need_the_key_too() -> None:
+    from engine_shim.auth import EngineAuth
+
+    reached: list[str] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        reached.append(scope["path"])
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: Any) -> None:
+        sent.append(message)
+
+    async def receive() -> Any:
+        return {"type": "websocket.connect"}
+
+    auth = EngineAuth(app, api_key=KEY)
+    await auth({"type": "websocket", "path": "/health", "headers": []}, receive, send)
+    assert sent == [{"type": "websocket.close", "code": 1008}] and reached == []
+    headers = [(b"authorization", f"Bearer {KEY}".encode())]
+    await auth({"type": "websocket", "path": "/health", "headers": headers}, receive, send)
+    assert reached == ["/health"]

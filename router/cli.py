@@ -122,6 +122,23 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("retry_backoff_s", float, "base of the exponential, jittered pause between attempts"),
     ("kv_abort_timeout_s", float, "deadline of the best-effort request asking a prefill "
                                   "engine to free a failed request's KV blocks"),
+    ("max_json_depth", int, "deepest nesting of arrays/objects accepted in a request body "
+                            "(deeper: 400)"),
+    ("max_messages", int, "most chat messages in one request (more: 400)"),
+    ("allow_client_chat_template", bool, "accept a client-supplied chat_template (rendered "
+                                         "in a sandbox with a time and size budget)"),
+    ("chat_template_timeout_s", float, "seconds a client chat_template may take to render "
+                                       "(longer: 400)"),
+    ("chat_template_max_output_chars", int, "largest prompt a client chat_template may "
+                                            "render, in characters (larger: 400)"),
+    ("header_timeout_s", float, "seconds a client has to send its request headers"),
+    ("body_timeout_s", float, "seconds a client has to send its whole request body (408)"),
+    ("body_chunk_timeout_s", float, "max seconds between two chunks of a request body (408)"),
+    ("stream_write_timeout_s", float, "seconds a streamed chunk may wait for a client that "
+                                      "does not read; then the stream is cut"),
+    ("max_engine_reply_bytes", int, "largest non-streaming engine reply read (larger: 502)"),
+    ("max_sse_line_bytes", int, "longest SSE line read from an engine (longer: the stream "
+                                "ends with an error event)"),
 )
 
 

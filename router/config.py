@@ -121,6 +121,20 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_retries: int = 1
     retry_backoff_s: float = 0.02
     kv_abort_timeout_s: float = 2.0
+    # Hostile input (router/limits.py): request parsing bounds, client-supplied chat
+    # templates (off unless allowed; rendered sandboxed, off the event loop, with a budget),
+    # client-side deadlines (headers, body, slow SSE readers) and engine reply bounds.
+    max_json_depth: int = 32
+    max_messages: int = 2048
+    allow_client_chat_template: bool = False
+    chat_template_timeout_s: float = 2.0
+    chat_template_max_output_chars: int = 4 * MIB
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    body_chunk_timeout_s: float = 10.0
+    stream_write_timeout_s: float = 30.0
+    max_engine_reply_bytes: int = 64 * MIB
+    max_sse_line_bytes: int = 4 * MIB
 
     @property
     def served_names(self) -> list[str]:
@@ -158,6 +172,16 @@ _POSITIVE = (
     "eject_consecutive_errors",
     "breaker_open_s",
     "kv_abort_timeout_s",
+    "max_json_depth",
+    "max_messages",
+    "chat_template_timeout_s",
+    "chat_template_max_output_chars",
+    "header_timeout_s",
+    "body_timeout_s",
+    "body_chunk_timeout_s",
+    "stream_write_timeout_s",
+    "max_engine_reply_bytes",
+    "max_sse_line_bytes",
 )
 
 

@@ -9,6 +9,7 @@ code only ever sees this tree::
     │   └── ContextLengthExceeded    400 ... code context_length_exceeded
     ├── ModelNotFound                404 NotFoundError / model_not_found
     ├── PayloadTooLarge              413 BadRequestError / payload_too_large
+    ├── RequestTimeout               408 BadRequestError / request_timeout  (slow body)
     ├── Unauthorized                 401 AuthenticationError / invalid_api_key
     ├── Overloaded                   429 RateLimitError / overloaded  (+ Retry-After)
     ├── NoEndpointAvailable          503 ServiceUnavailableError / no_endpoint_available
@@ -39,6 +40,7 @@ __all__ = [
     "NoEndpointAvailable",
     "Overloaded",
     "PayloadTooLarge",
+    "RequestTimeout",
     "RouterError",
     "Unauthorized",
     "error_body",
@@ -88,6 +90,14 @@ class PayloadTooLarge(RouterError):
     status = 413
     type = "BadRequestError"
     code = "payload_too_large"
+
+
+class RequestTimeout(RouterError):
+    """The client did not send its request body within the body deadlines (408)."""
+
+    status = 408
+    type = "BadRequestError"
+    code = "request_timeout"
 
 
 class Unauthorized(RouterError):

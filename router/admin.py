@@ -25,7 +25,8 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.api import StateHolder, error_response, read_body
+from router.api import StateHolder, error_response
+from router.client_deadlines import read_body_within
 from router.config import RouterConfig, engine_url_problem
 from router.errors import InvalidRequest, RouterError
 from router.pool import Endpoint
@@ -98,7 +99,9 @@ def install_admin_routes(app: FastAPI, holder: StateHolder) -> None:
     async def add_engine(request: Request) -> Response:
         pool = holder.state.pool
         try:
-            raw = await read_body(request, _MAX_BODY)
+            cfg = holder.state.config
+            raw = await read_body_within(request, _MAX_BODY, cfg.body_timeout_s,
+                                         cfg.body_chunk_timeout_s)
             body = msgspec.json.decode(raw, type=AddEngine)
         except msgspec.DecodeError as exc:
             return error_response(InvalidRequest(f"invalid body: {exc}"))

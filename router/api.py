@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -25,12 +26,12 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from router.admission import Admission
+from router.client_deadlines import SlowReader, WriteDeadlineSend, read_body_within
 from router.config import RouterConfig
 from router.errors import (
     InvalidRequest,
     ModelNotFound,
     Overloaded,
-    PayloadTooLarge,
     RouterError,
     error_json,
 )
@@ -44,7 +45,20 @@ __all__ = ["RouterState", "StateHolder", "install_error_handlers", "install_rout
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder().encode
-_TRACE_HEADERS = ("traceparent", "tracestate")
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+_TRACESTATE_MAX = 512  # W3C: at most 32 members; vendors cap the header near 512 bytes
+
+
+def _valid_tracestate(value: str) -> bool:
+    return len(value) <= _TRACESTATE_MAX and value.isascii() and value.isprintable()
+
+
+# Forwarded to engines only when well-formed: a client's oversized or malformed header must
+# never make an engine refuse the leg (that would count against the engine's breaker).
+_TRACE_HEADERS: tuple[tuple[str, Callable[[str], bool]], ...] = (
+    ("traceparent", lambda v: _TRACEPARENT.fullmatch(v) is not None),
+    ("tracestate", _valid_tracestate),
+)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -123,8 +137,9 @@ class RelayResponse(StreamingResponse):
     (finished, client gone, cancelled, or never started)."""
 
     def __init__(self, result: StreamResult, headers: dict[str, str],
-                 on_done: Callable[[], None]) -> None:
+                 on_done: Callable[[], None], write_timeout_s: float = 30.0) -> None:
         super().__init__(result.chunks, 200, headers, "text/event-stream")
+        self._write_timeout_s = write_timeout_s
         self._result = result
         self._on_done = on_done
         self._on_close: list[Callable[[], None]] = []
@@ -135,7 +150,10 @@ class RelayResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, WriteDeadlineSend(send, self._write_timeout_s))
+        except SlowReader as exc:
+            # Returning with the response unfinished makes the server close the connection.
+            log.warning("stream cut: %s", exc)
         finally:
             try:
                 await self._result.chunks.aclose()
@@ -144,23 +162,6 @@ class RelayResponse(StreamingResponse):
                 self._on_done()
                 for callback in self._on_close:
                     callback()
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The request body, refusing more than `limit` bytes (413) without reading it all."""
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit():
-        if int(length) > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        return await request.body()
-    parts: list[bytes] = []
-    size = 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        parts.append(part)
-    return b"".join(parts)
 
 
 def build_request(
@@ -182,8 +183,8 @@ def build_request(
     if model is not None and model not in served:
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-    for name in _TRACE_HEADERS:
-        if (value := request.headers.get(name)) is not None:
+    for name, valid in _TRACE_HEADERS:
+        if (value := request.headers.get(name)) is not None and valid(value):
             headers[name] = value
     req.engine_headers = headers
     req.client_headers = request.headers
@@ -198,14 +199,19 @@ def _completion_handler(
         st = holder.state
         t0 = time.perf_counter()
         ids = _Ids(new_internal_id(), client_request_id(request.headers.get("x-request-id")))
+        cfg = st.config
         try:
-            # Before the body is read: a refused request costs no body memory.
+            # The body first, under its deadlines: a client trickling its upload must not
+            # hold an admission slot (those are for work the engines do).
+            raw = await read_body_within(request, cfg.max_body_bytes, cfg.body_timeout_s,
+                                         cfg.body_chunk_timeout_s)
             slot = await st.admission.acquire() if st.admission else None
-        except Overloaded as exc:
-            st.metrics.child(st.metrics.admission_rejected, exc.reason).inc()
+        except RouterError as exc:
+            if isinstance(exc, Overloaded):
+                st.metrics.child(st.metrics.admission_rejected, exc.reason).inc()
             _count(st, route, exc.status, t0)
             return error_response(exc, ids.echo)
-        response = await serve(request, st, t0, ids)
+        response = await serve(request, raw, st, t0, ids)
         if slot is not None:
             if isinstance(response, RelayResponse):
                 response.on_close(slot.release)
@@ -213,9 +219,10 @@ def _completion_handler(
                 slot.release()
         return response
 
-    async def serve(request: Request, st: RouterState, t0: float, ids: _Ids) -> Response:
+    async def serve(
+        request: Request, raw: bytes, st: RouterState, t0: float, ids: _Ids
+    ) -> Response:
         try:
-            raw = await read_body(request, st.config.max_body_bytes)
             req = build_request(kind, raw, request, ids.internal, st.config.served_names,
                                 ids.client)
             result = await until_disconnected(request, st.orchestrator.handle(req))
@@ -229,14 +236,17 @@ def _completion_handler(
             log.exception("request %s (client id %s) failed", ids.internal, ids.client)
             _count(st, route, 500, t0)
             return error_response(RouterError("internal router error"), ids.echo)
-        headers = {"X-Request-Id": ids.echo, **_engine_headers(req)}
+        # X-Pdgate-Request-Id: the id engines logged this request under (for operators).
+        headers = {"X-Request-Id": ids.echo, "X-Pdgate-Request-Id": ids.internal,
+                   **_engine_headers(req)}
         if isinstance(result, bytes):
             _count(st, route, 200, t0)
             return Response(result, 200, headers, "application/json")
         st.metrics.child(st.metrics.requests, route, "200").inc()
         duration = st.metrics.child(st.metrics.request_duration, route)
         done = lambda: duration.observe(time.perf_counter() - t0)  # noqa: E731
-        return RelayResponse(result, {**headers, **_SSE_HEADERS}, done)
+        return RelayResponse(result, {**headers, **_SSE_HEADERS}, done,
+                             st.config.stream_write_timeout_s)
 
     return handler
 

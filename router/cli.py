@@ -193,8 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     # requested shutdown exits 0 instead of dying by signal or with a KeyboardInterrupt.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: None)
+    from router.client_deadlines import header_deadline_protocol
+
     uvicorn.run(
-        app, host=config.host, port=config.port, loop="auto", http="auto",
+        app, host=config.host, port=config.port, loop="auto",
+        http=header_deadline_protocol(config.header_timeout_s),
         timeout_graceful_shutdown=int(config.shutdown_timeout_s + 0.999),
         log_level=config.log_level, access_log=False,
     )

@@ -138,6 +138,8 @@ def test_decode_received_exactly_the_prefill_bytes(cluster: Cluster) -> None:
                       json={"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 4},
                       timeout=60)
     assert resp.status_code == 200, resp.text
+    assert resp.headers["X-Request-Id"] == rid
+    rid = resp.headers["X-Pdgate-Request-Id"]  # engines know the request by the router's id
     held = httpx.get(cluster.prefill[0] + "/debug/kv_transfers", timeout=5).json()
     got = httpx.get(cluster.decode[0] + "/debug/kv_transfers", timeout=5).json()
     p = next(t for t in held["transfers"] if t["request_id"] == rid)

@@ -18,6 +18,7 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 
 from router.app import create_app
+from router.client_deadlines import header_deadline_protocol
 from router.config import RouterConfig
 from router.tokenization import PromptTokenizer, load_tokenizer
 from tests.router.fake_engine import FakeEngine
@@ -78,9 +79,10 @@ async def serve(config: RouterConfig, tokenizer: PromptTokenizer) -> AsyncIterat
     app = create_app(config, registry=registry, tokenizer=tokenizer)
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1)
-    )
+    server = uvicorn.Server(uvicorn.Config(
+        app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1,
+        http=header_deadline_protocol(config.header_timeout_s),
+    ))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:
         if task.done():

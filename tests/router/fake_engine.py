@@ -259,6 +259,9 @@ class FakeEngine:
         except (ConnectionResetError, ConnectionError):
             self.aborted_streams += 1
             return resp
+        except asyncio.CancelledError:  # aiohttp cancels the handler when the peer leaves
+            self.aborted_streams += 1
+            raise
         self.finished_streams += 1
         await resp.write_eof()
         return resp

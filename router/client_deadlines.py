@@ -1,0 +1,130 @@
+"""Deadlines on the client side of the router: request headers, request body, slow readers.
+
+uvicorn bounds idle keep-alive connections but not a client that trickles its request: a
+connection that never finishes its headers stays open forever, and a body sent a byte at a
+time holds its admission slot for as long as the client likes. Three bounds close that:
+
+- `header_deadline_protocol`: uvicorn's httptools protocol with a timer from the first byte
+  of a request (or from the connection's start) to the end of its headers; when it fires,
+  the connection is closed (the client sent no complete request, so nobody reads a 408).
+- `read_body_within`: the request body with a total deadline and a per-chunk deadline
+  (`RequestTimeout`, 408) and the size limit (`PayloadTooLarge`, 413).
+- `WriteDeadlineSend`: an ASGI `send` wrapper for streams; a chunk that cannot be handed to
+  a client that stopped reading within the deadline ends the stream (`SlowReader`), which
+  releases the engine leg and the admission slot.
+
+Configured by `RouterConfig.header_timeout_s`, `body_timeout_s`, `body_chunk_timeout_s`,
+`stream_write_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from starlette.requests import Request
+from starlette.types import Message, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from router.errors import PayloadTooLarge, RequestTimeout
+
+__all__ = ["SlowReader", "WriteDeadlineSend", "header_deadline_protocol", "read_body_within"]
+
+
+class _HeaderDeadlineProtocol(HttpToolsProtocol):
+    """Closes a connection whose request headers are not complete `header_timeout_s` after
+    the connection opened or the request's first byte arrived."""
+
+    header_timeout_s = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._arm_header_timer()
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_timer()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def header_deadline_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
+    """The protocol class to pass as uvicorn's `http=` for this header deadline."""
+    return type("HeaderDeadlineProtocol", (_HeaderDeadlineProtocol,),
+                {"header_timeout_s": header_timeout_s})
+
+
+async def read_body_within(
+    request: Request, limit: int, total_s: float, chunk_s: float
+) -> bytes:
+    """The request body: at most `limit` bytes (413 beyond, without reading it all), within
+    `total_s` seconds in all and `chunk_s` seconds between two chunks (408 otherwise)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    parts: list[bytes] = []
+    size = 0
+    deadline = time.monotonic() + total_s
+    chunks = request.stream().__aiter__()
+    while True:
+        wait = min(chunk_s, deadline - time.monotonic())
+        try:
+            async with asyncio.timeout(max(wait, 0.0)):
+                part = await anext(chunks)
+        except StopAsyncIteration:
+            return b"".join(parts)
+        except TimeoutError:
+            raise RequestTimeout(
+                f"request body not received in time (at most {total_s:g}s in all and "
+                f"{chunk_s:g}s between chunks)") from None
+        size += len(part)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+        parts.append(part)
+
+
+class SlowReader(Exception):
+    """A streamed chunk could not be written before the write deadline: the client is not
+    reading. The stream ends; the connection is closed by the server."""
+
+
+class WriteDeadlineSend:
+    """Wraps an ASGI `send` so each body message must be accepted within `timeout_s`
+    (uvicorn's send waits while the transport's buffer is above its high-water mark, i.e.
+    while the client does not read)."""
+
+    def __init__(self, send: Send, timeout_s: float) -> None:
+        self._send = send
+        self._timeout_s = timeout_s
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] != "http.response.body":
+            await self._send(message)
+            return
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self._send(message)
+        except TimeoutError:
+            raise SlowReader(f"client did not read for {self._timeout_s:g}s") from None
+

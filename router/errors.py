@@ -16,11 +16,41 @@ code only ever sees this tree::
     ├── EngineUnavailable            502 BadGatewayError / engine_unavailable  (connect, reset)
     ├── EngineTimeout                504 GatewayTimeoutError / engine_timeout
     ├── EngineError                  502 BadGatewayError / engine_error  (engine said 5xx or
-    │                                    sent something that is not the protocol)
+    │   │                                3xx, or failed the stream with an error event)
+    │   ├── EngineProtocolError      502 ... engine_protocol_error  (a 2xx that is not the
+    │   │   │                            protocol: see below)
+    │   │   └── EngineReplyTooLarge  502 ... engine_reply_too_large  (reply or SSE line over
+    │   │                                max_engine_reply_bytes / max_sse_line_bytes)
+    │   └── EngineMisconfigured      502 ... engine_misconfigured  (a 4xx the router's
+    │                                    request caused, not the client's: see below)
     └── EngineRejected               engine's own 4xx status, passed through to the client
 
 `retryable` says whether the orchestrator may try another engine of the same role (only
 before the first byte went to the client).
+
+Which engine answers are engine faults (every `EngineError` but `EngineRejected`: 502 or
+504 to the client naming the engine URL, retryable before the first byte, counted against
+the engine's breaker) and which are the client's (`EngineRejected`, never counted):
+
+- the engine protocol (`EngineProtocolError`), checked in `engines.py`: a non-streaming
+  reply is one UTF-8 JSON object, with a `choices` list on /v1/completions and
+  /v1/chat/completions; a stream is `text/event-stream`, every `data:` line a JSON object
+  or `[DONE]`, every line UTF-8, and `[DONE]` comes before the stream ends. Before the
+  first byte reached the client that is a 502; mid-stream the relay ends the client's
+  stream with one error event and `[DONE]`, and the engine client's stream listener hears
+  of the failure (the app feeds it to the engine's breaker);
+- sizes (`EngineReplyTooLarge`): a non-streaming reply over `max_engine_reply_bytes` is
+  refused by Content-Length before reading, or as soon as the bytes read pass it; an SSE
+  line longer than `max_sse_line_bytes` ends the stream. Error bodies are read to 64 KiB;
+- engine 4xx (`EngineMisconfigured` when the router's request caused it): 401 and 403
+  (the engine refused the router's key), 407, 421, 426, 431 (proxy auth, misdirected,
+  upgrade, the router's headers), 404 and 405 on /v1/completions and /v1/chat/completions
+  (a route every engine must serve), and a 400 or 422 whose message or `param` names a
+  field the router added (`kv_transfer_params` or one of its keys, any field of a
+  /v1/kv/* body) that the client's part of the request does not mention. Every other 4xx
+  is the client's (`EngineRejected`), e.g. a 400 about `max_tokens` or the context
+  length, and a 404 from an optional /v1/kv/* route (the notify and push flows fall back
+  to pull on it).
 """
 
 from __future__ import annotations
@@ -32,7 +62,10 @@ import msgspec
 __all__ = [
     "ContextLengthExceeded",
     "EngineError",
+    "EngineMisconfigured",
+    "EngineProtocolError",
     "EngineRejected",
+    "EngineReplyTooLarge",
     "EngineTimeout",
     "EngineUnavailable",
     "InvalidRequest",
@@ -162,6 +195,27 @@ class EngineError(RouterError):
     type = "BadGatewayError"
     code = "engine_error"
     retryable = True
+
+
+class EngineProtocolError(EngineError):
+    """The engine answered 2xx with something that is not the protocol: not a JSON object,
+    no `choices`, a stream that is not SSE, a bad SSE line, no `[DONE]` (502)."""
+
+    code = "engine_protocol_error"
+
+
+class EngineReplyTooLarge(EngineProtocolError):
+    """An engine reply passed `max_engine_reply_bytes`, or one SSE line passed
+    `max_sse_line_bytes`; the rest was not read (502)."""
+
+    code = "engine_reply_too_large"
+
+
+class EngineMisconfigured(EngineError):
+    """The engine refused, with a 4xx, something the router put in the request, not the
+    client: its key, its headers, a route it must serve, `kv_transfer_params` (502)."""
+
+    code = "engine_misconfigured"
 
 
 class EngineRejected(RouterError):

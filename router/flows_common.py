@@ -252,8 +252,13 @@ async def relay_chunks(chunks: AsyncIterator[bytes], rewriter: UsageRewriter | N
                        ) -> AsyncGenerator[bytes, None]:
     """The one relay loop of every flow: bytes out as they arrive, TTFT and inter-token
     latency observed, usage chunks rewritten (line-buffered) when `rewriter` is given, and a
-    failure mid-stream turned into an SSE error event plus [DONE]."""
+    failure mid-stream turned into an SSE error event plus [DONE].
+
+    The engine stream checks the protocol and reports its failures to the engine's breaker
+    (`EngineStream`); here they only end the client's stream, as an event of its own: a
+    blank line first unless the bytes sent so far ended an event."""
     last = 0.0
+    sent = b""  # the last bytes yielded
     try:
         async for chunk in chunks:
             now = time.perf_counter()
@@ -264,9 +269,11 @@ async def relay_chunks(chunks: AsyncIterator[bytes], rewriter: UsageRewriter | N
             last = now
             out = rewriter.feed(chunk) if rewriter else chunk
             if out:
+                sent = out
                 yield out
         if rewriter and (tail := rewriter.flush()):
             yield tail
     except RouterError as exc:
         log.warning("decode stream failed mid-response: %s", exc.message)
-        yield b"data: " + error_json(exc) + b"\n\n" + _DONE
+        sep = b"" if not sent or sent.endswith(b"\n\n") else b"\n"
+        yield sep + b"data: " + error_json(exc) + b"\n\n" + _DONE

@@ -186,7 +186,7 @@ def _engine_error(raw: bytes) -> tuple[str, str]:
     """(message, what names the culprit: the message plus `param` or FastAPI's `loc`s)."""
     try:
         obj = _json_decode(raw)
-    except (msgspec.DecodeError, UnicodeDecodeError):
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         obj = None
     if isinstance(obj, dict):
         err = obj.get("error")
@@ -197,13 +197,18 @@ def _engine_error(raw: bytes) -> tuple[str, str]:
             if isinstance(obj.get(key), str):
                 return str(obj[key]), str(obj[key])
         detail = obj.get("detail")
-        if isinstance(detail, list):  # FastAPI 422: [{loc, msg, input}]; `input` is the
-            parts = [f"{'.'.join(map(str, d.get('loc') or ()))}: {d.get('msg')}"  # client's
-                     for d in detail[:8] if isinstance(d, dict)]
-            if parts:
+        if isinstance(detail, list):  # FastAPI 422: [{loc, msg, input}] (`input` is the
+            parts = [_validation_error(d) for d in detail[:8] if isinstance(d, dict)]
+            if parts:  # client's, so left out)
                 return "; ".join(parts), " ".join(parts)
     text = raw[:200].decode("utf-8", "replace")
     return text, text
+
+
+def _validation_error(d: dict[str, Any]) -> str:
+    loc = d.get("loc")
+    where = ".".join(map(str, loc)) if isinstance(loc, list) else ""
+    return f"{where}: {d.get('msg')}"
 
 
 def _check_status(url: str, path: str, status: int, raw: bytes, sent: bytes) -> None:
@@ -244,7 +249,7 @@ def _router_caused(path: str, status: int, culprit: str, sent: bytes) -> str | N
         return None
     try:
         body = _json_decode(sent)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, RecursionError):
         return None
     if not isinstance(body, dict):
         return None
@@ -305,7 +310,8 @@ def _check_reply(url: str, path: str, raw: bytes) -> None:
             _check_completion(raw)
         else:
             _check_object(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError,
+            RecursionError) as exc:  # msgspec: nesting past the interpreter's budget
         raise _not_the_protocol(url, path, str(exc)) from None
 
 
@@ -323,7 +329,7 @@ def _decode_reply(url: str, path: str, raw: bytes) -> dict[str, Any]:
     """`raw` decoded, with the checks of `_check_reply` (one decode: P's reply is used)."""
     try:
         obj = _json_decode(raw)
-    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise _not_the_protocol(url, path, str(exc)) from None
     if not isinstance(obj, dict):
         raise _not_the_protocol(url, path, f"JSON {type(obj).__name__}, not an object")

@@ -183,8 +183,14 @@ class Aborter:
         self._engines = engines
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def abort(self, ep: Endpoint, request_id: str, headers: Mapping[str, str]) -> None:
-        body = _json_encode({"request_id": request_id})
+    def abort(self, ep: Endpoint, request_id: str, headers: Mapping[str, str], *,
+              write_possible: bool = True) -> None:
+        """`write_possible=False`: no prefill engine was asked to write into D's blocks for
+        this request, so D may free its reservation at once (no landing grace)."""
+        payload: dict[str, Any] = {"request_id": request_id}
+        if not write_possible:
+            payload["write_possible"] = False
+        body = _json_encode(payload)
 
         async def call() -> None:
             with contextlib.suppress(RouterError, TimeoutError):
@@ -224,7 +230,7 @@ def rewrite_reply_usage(raw: bytes, usage: PrefillUsage) -> bytes:
     """A non-streaming decode reply with its usage billed from P (else unchanged)."""
     try:
         reply = _json_decode(raw)
-    except msgspec.DecodeError:
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
         return raw
     if isinstance(reply, dict) and isinstance(reply.get("usage"), dict):
         rewrite_usage(reply["usage"], usage)

@@ -34,6 +34,9 @@ class _Object(msgspec.Struct):
 
 
 _check_object = msgspec.json.Decoder(_Object).decode
+# What `_check_object` raises for a value that is not a JSON object; msgspec raises
+# RecursionError for JSON nested deeper than the interpreter's recursion budget (~1000).
+_NOT_AN_OBJECT = (msgspec.DecodeError, msgspec.ValidationError, RecursionError)
 
 
 class SSEProtocolError(ValueError):
@@ -72,7 +75,7 @@ class EventChecker:
             try:
                 _check_object(chunk[6:])
                 return chunk
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except _NOT_AN_OBJECT:
                 pass  # `[DONE]`, or a bad event: the general path says which
         end = chunk.rfind(b"\n") + 1
         if end == 0:  # still inside one line
@@ -130,7 +133,7 @@ class EventChecker:
                 try:
                     _check_object(line[6:])  # a token event
                     continue
-                except (msgspec.DecodeError, msgspec.ValidationError):
+                except _NOT_AN_OBJECT:
                     pass
             self._check_line(line)
 
@@ -154,7 +157,7 @@ class EventChecker:
             return
         try:
             _check_object(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        except _NOT_AN_OBJECT:
             raise SSEProtocolError(
                 f"an SSE data event is not a JSON object: {payload[:80]!r}") from None
 
@@ -203,7 +206,7 @@ class UsageRewriter:
             return line
         try:
             event = _json_decode(line[len(_DATA):])
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
             return line
         usage = event.get("usage") if isinstance(event, dict) else None
         if not isinstance(usage, dict):

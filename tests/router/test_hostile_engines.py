@@ -138,6 +138,7 @@ GARBAGE_REPLIES = {
     "invalid utf-8": b'{"choices": [{"text": "\xff\xfe"}]}',
     "truncated": b'{"choices": [{"text": "abc',
     "empty": b"",
+    "nested 5000 deep": b'{"choices": [' + b"[" * 5000 + b"]" * 5000 + b"]}",
 }
 
 
@@ -298,6 +299,29 @@ async def test_first_sse_line_over_the_limit_is_a_502(
     bad.reply = _sse(bad, [b'data: {"t": "' + b"z" * 4096 + b'"}\n\n', DONE])
     resp = await router.client.post(COMPLETIONS, json=STREAM)
     _assert_502(resp, "engine_reply_too_large", bad.url)
+
+
+WEIRD_ERROR_BODIES = {
+    "loc not a list": b'{"detail": [{"loc": 5, "msg": "x"}]}',
+    "detail of ints": b'{"detail": [1, 2]}',
+    "error a string": b'{"error": "boom"}',
+    "message an int": b'{"error": {"message": 5}}',
+    "nested 5000 deep": b'{"error": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    "not utf-8": b'{"error": {"message": "\xff"}}',
+    "1 MiB of text": b"e" * (1 << 20),
+}
+
+
+@pytest.mark.parametrize("raw", WEIRD_ERROR_BODIES.values(), ids=WEIRD_ERROR_BODIES.keys())
+async def test_weird_error_bodies_are_read_bounded_and_never_crash(
+    make_engine: MakeEngine, start_router: StartRouter, bad: HostileEngine, raw: bytes
+) -> None:
+    router, _ = await _router(make_engine, start_router, bad)
+    bad.reply = _json(raw, status=400)
+    for body in (BODY, STREAM):
+        resp = await router.client.post(COMPLETIONS, json=body)
+        assert resp.status_code == 400, resp.text
+        assert len(resp.content) < 1024
 
 
 # -- 4. engine 4xx the client did not cause ---------------------------------------------

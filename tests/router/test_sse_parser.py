@@ -68,6 +68,7 @@ def test_unterminated_done_at_the_end_is_accepted() -> None:
     b"<html>502 Bad Gateway</html>\n",
     b"data: [DONE]\n\ndata: {}\n\n",  # data after [DONE]
     b"data: [DONE]\n\nevent: late\n\n",
+    b'data: {"a":' + b"[" * 5000 + b"]" * 5000 + b"}\n\n",  # past msgspec's depth budget
 ])
 @pytest.mark.parametrize("size", [1, 5, 1000])
 def test_violations_are_refused(bad: bytes, size: int) -> None:

@@ -102,9 +102,13 @@ class ChatCompletionRequest(_Common, kw_only=True):
 
 
 class AbortRequest(msgspec.Struct, kw_only=True):
-    """POST /v1/kv/abort: free the blocks a prefill engine pinned for `request_id`."""
+    """POST /v1/kv/abort: free the blocks a prefill engine pinned for `request_id`, and a
+    decode engine's reservations for it. `write_possible: false` says no prefill engine was
+    ever asked to write into those reservations (the router gave up before dispatching P),
+    so they are freed at once instead of after the grace a landing WRITE may need."""
 
     request_id: str
+    write_possible: bool = True
 
 
 _Body = TypeVar("_Body", bound=msgspec.Struct)

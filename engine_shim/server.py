@@ -177,7 +177,8 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
             raise ot.RequestError("this engine has no KV connector", status=404,
                                   error_type="NotFoundError")
         engine.connector.abort(body.request_id)
-        engine.reservations.release(body.request_id, grace=_RESERVATION_ABORT_GRACE_S)
+        grace = _RESERVATION_ABORT_GRACE_S if body.write_possible else 0.0
+        engine.reservations.release(body.request_id, grace=grace)
         return _json({"request_id": body.request_id})
 
     @app.post("/v1/kv/reserve")
@@ -294,9 +295,14 @@ async def _collect_unless_disconnected(
     finally:
         watch.cancel()
         if not work.done():
+            # Only *asked* to cancel: the task is not cancelled() yet, so its result must
+            # not be read (that raised InvalidStateError, a 500 for a client already gone).
             work.cancel()
             stream.close()
-    return None if work.cancelled() else work.result()
+            gone = True
+        else:
+            gone = False
+    return None if gone or work.cancelled() else work.result()
 
 
 async def _wait_disconnect(receive: Receive) -> None:

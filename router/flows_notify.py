@@ -28,9 +28,16 @@ from typing import Any
 
 import msgspec
 
-from proxy import KVReadyTimeout, KVTransferFailed, NotifyServer, WaitCancelled, WaiterTable
+from proxy import (
+    KVReadyTimeout,
+    KVTransferFailed,
+    NotifyServer,
+    WaitCancelled,
+    WaiterLimitExceeded,
+    WaiterTable,
+)
 from router.early_token import eligible, first_token_ids, head_chunks
-from router.errors import EngineError, EngineRejected, EngineTimeout, RouterError
+from router.errors import EngineError, EngineRejected, EngineTimeout, Overloaded, RouterError
 from router.flows_common import (
     Aborter,
     FlowMetrics,
@@ -80,8 +87,12 @@ class NotifyFlow:
                 raise
             o.metrics.fallbacks.labels("no_reserve").inc()
             return None
-        p_ep = await choose(o.pool, "prefill", o.policies["prefill"], ctx)
-        leg = self._dispatch(req, p_ep, slot, num_tokens)
+        try:
+            p_ep = await choose(o.pool, "prefill", o.policies["prefill"], ctx)
+            leg = self._dispatch(req, p_ep, slot, num_tokens)
+        except BaseException:  # P was never asked to write: D frees the reservation at once
+            self.aborter.abort(d_ep, req.request_id, req.engine_headers, write_possible=False)
+            raise
         wait = self._wait_kv(req, leg, p_ep, d_ep, slot, num_tokens)
         req.served_by["decode"] = d_ep.url
         if req.stream and self.early_first_token and eligible(req):
@@ -93,9 +104,27 @@ class NotifyFlow:
 
     async def _reserve(self, d_ep: Endpoint, req: ClientRequest, n: int) -> dict[str, Any]:
         body = _json_encode({"request_id": req.request_id, "num_tokens": n})
-        with self.orch.pool.track(d_ep):
-            return await self.orch.engines.post_json(d_ep.url, "/v1/kv/reserve", body,
-                                                     req.engine_headers)
+        o = self.orch
+        with o.pool.track(d_ep):
+            call = asyncio.ensure_future(o.engines.post_json(
+                d_ep.url, "/v1/kv/reserve", body, req.engine_headers))
+            try:
+                return await asyncio.shield(call)
+            except asyncio.CancelledError:
+                # An abort sent now could overtake the reservation on its way to D, which
+                # would then hold the blocks until they expire: free them once D answered.
+                call.add_done_callback(lambda c: self._release_reserved(c, d_ep, req))
+                raise
+            except EngineTimeout:
+                self.aborter.abort(d_ep, req.request_id, req.engine_headers,
+                                   write_possible=False)
+                raise
+
+    def _release_reserved(self, call: asyncio.Future[dict[str, Any]], d_ep: Endpoint,
+                          req: ClientRequest) -> None:
+        if not call.cancelled() and call.exception() is None:
+            self.aborter.abort(d_ep, req.request_id, req.engine_headers,
+                               write_possible=False)
 
     def _dispatch(self, req: ClientRequest, p_ep: Endpoint, slot: dict[str, Any],
                   n: int) -> PrefillLeg:
@@ -105,7 +134,11 @@ class NotifyFlow:
         # A fresh secret per waiter that P echoes inside the signed notice: a notice P
         # signed for another request, or a replay, cannot wake or fail this one.
         token = secrets.token_hex(16)
-        waiters.register(rid, token)  # before P can possibly notify
+        try:
+            waiters.register(rid, token)  # before P can possibly notify
+        except WaiterLimitExceeded:
+            raise Overloaded("too many requests are waiting for their KV cache; retry",
+                             reason="kv_waiters") from None
         body = prefill_leg_body(req.body, {
             "pdgate_mode": MODE, "remote_engine_id": slot["engine_id"],
             "remote_host": slot["host"], "remote_port": slot["port"],
@@ -241,7 +274,7 @@ class _EarlyStream:
         self._ids = ids
         self._wait = wait
         self._stack = contextlib.ExitStack()
-        self._claimed = False  # D's reservation is (being) taken by the decode leg
+        self._finished = False  # D's continuation ran to its end
 
     async def chunks(self) -> AsyncIterator[bytes]:
         if self._head:
@@ -249,11 +282,11 @@ class _EarlyStream:
         params = await self._decode_params()
         o = self._flow.orch
         self._stack.enter_context(o.pool.track(self._d_ep))
-        self._claimed = True
         stream = await open_continuation(o.engines, self._req, self._d_ep.url, params,
                                          self._stack)
         async for chunk in stream.chunks():
             yield chunk
+        self._finished = True
 
     async def _decode_params(self) -> dict[str, Any]:
         flow = self._flow
@@ -275,9 +308,11 @@ class _EarlyStream:
         self._stack.close()
         if not self._wait.done():
             self._wait.cancel()  # frees D's reservation and P's side (`_failed`)
-        elif not self._claimed and not self._wait.cancelled() and \
+        elif not self._finished and not self._wait.cancelled() and \
                 self._wait.exception() is None:
-            req = self._req  # KV landed but no decode leg will claim it
+            # KV landed but the decode leg never claimed it, or was cut before D admitted
+            # it: D would hold the reservation until it expires.
+            req = self._req
             self._flow.aborter.abort(self._d_ep, req.request_id, req.engine_headers)
 
 

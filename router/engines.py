@@ -55,8 +55,8 @@ from router.sse import EventChecker, SSELineTooLong, SSEProtocolError
 __all__ = [
     "EngineClient",
     "EngineStream",
-    "StreamListener",
     "PrefillUsage",
+    "StreamListener",
     "decode_body",
     "extract_kv_params",
     "prefill_body",

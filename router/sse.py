@@ -53,8 +53,9 @@ class EventChecker:
     Rules (what vLLM and the engine shim send): every line is blank, a comment (`:`), an
     `event:`/`id:`/`retry:` field, or `data:` whose value is a JSON object or `[DONE]`;
     one event per `data:` line (multi-line data would not be one JSON value anyway);
-    lines are UTF-8 and at most `max_line_bytes` long; `[DONE]` comes before the end and
-    only blank lines or comments after it. `feed()` returns the complete lines received so
+    lines are UTF-8, at most `max_line_bytes` long, with no CR inside (a client's parser
+    would end the line there); `[DONE]` comes before the end and only blank lines or
+    comments after it. `feed()` returns the complete lines received so
     far, as received (the chunk itself when it ends a line: no copy), and raises
     `SSEProtocolError` at the first violation; `end()` at end of stream.
     """

@@ -38,7 +38,9 @@ the engine's breaker) and which are the client's (`EngineRejected`, never counte
   or `[DONE]`, every line UTF-8, and `[DONE]` comes before the stream ends. Before the
   first byte reached the client that is a 502; mid-stream the relay ends the client's
   stream with one error event and `[DONE]`, and `EngineClient.set_stream_listener`'s
-  listener hears of the failure (for the engine's breaker: the app must wire it);
+  listener hears of the failure (for the engine's breaker the app must wire it, and the
+  orchestrator must not count a stream as a success when it opens: the success resets
+  the breaker's count);
 - sizes (`EngineReplyTooLarge`): a non-streaming reply over `max_engine_reply_bytes` is
   refused by Content-Length before reading, or as soon as the bytes read pass it; an SSE
   line longer than `max_sse_line_bytes` ends the stream. Error bodies are read to 64 KiB;

@@ -467,3 +467,19 @@ async def test_stream_listener_hears_how_each_stream_ended(bad: HostileEngine) -
             else:
                 assert type(exc) is expected
         assert heard == []
+
+
+@pytest.mark.xfail(strict=True, reason="needs the app to wire EngineClient.set_stream_listener "
+                   "to the decode engines' breakers, and the orchestrator to stop recording "
+                   "a streaming decode leg as a success when it opens (see router/errors.py)")
+async def test_mid_stream_faults_open_the_breaker(
+    make_engine: MakeEngine, start_router: StartRouter, bad: HostileEngine
+) -> None:
+    router, _ = await _router(make_engine, start_router, bad, good=True,
+                              eject_consecutive_errors=2)
+    bad.reply = _sse(bad, [EVENT, EVENT], gap_s=0.02)  # valid events, then no [DONE]
+    for _ in range(4):  # round-robin: bad, good, bad, good
+        resp = await router.client.post(COMPLETIONS, json=STREAM)
+        assert resp.status_code == 200
+    assert bad.calls == 2
+    assert router.metric("pdgate_breaker_opened_total", {"role": "decode"}) == 1

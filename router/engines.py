@@ -507,9 +507,11 @@ class EngineClient:
         # The engine key rides on every call (legs, health probes, KV aborts, reservations).
         auth = {"Authorization": f"Bearer {config.engine_api_key}"} \
             if config.engine_api_key else None
+        # No Accept-Encoding: bodies are relayed and checked as sent, never decompressed,
+        # so an engine (or a proxy before it) must not be invited to compress them.
         session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False, skip_auto_headers=("User-Agent",),
-            headers=auth,
+            connector=connector, auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Accept-Encoding"), headers=auth,
         )
         return cls(session, config)
 

@@ -43,6 +43,7 @@ class HostileEngine:
         self.calls = 0
         self.written = 0
         self.cut_off = False
+        self.headers: dict[str, str] = {}
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
@@ -63,6 +64,7 @@ class HostileEngine:
 
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         self.calls += 1
+        self.headers = dict(request.headers)
         return await self.reply(request, await request.json())
 
     async def write(self, resp: web.StreamResponse, data: bytes) -> None:
@@ -125,6 +127,17 @@ def _assert_502(resp: Any, code: str, url: str) -> None:
     err = resp.json()["error"]
     assert err["code"] == code, err
     assert url in err["message"]
+
+
+async def test_engines_are_not_invited_to_compress(
+    make_engine: MakeEngine, start_router: StartRouter, bad: HostileEngine
+) -> None:
+    # The router relays and checks bodies as sent (no decompression): a gzipped answer
+    # would be garbage, so it must not ask for one.
+    router, _ = await _router(make_engine, start_router, bad)
+    bad.reply = _json(b'{"choices": []}')
+    assert (await router.client.post(COMPLETIONS, json=BODY)).status_code == 200
+    assert "Accept-Encoding" not in bad.headers
 
 
 # -- 1. protocol: non-streaming --------------------------------------------------------

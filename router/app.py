@@ -29,6 +29,7 @@ from router.discovery import KubernetesDiscovery
 from router.engines import EngineClient
 from router.flows_setup import open_pd_flow
 from router.health import HealthSettings
+from router.limits import InputLimits
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
 from router.policies import POLICIES
@@ -92,7 +93,10 @@ async def _serving_state(
         tokenizer = await anyio.to_thread.run_sync(
             load_tokenizer, config.tokenizer_source, config.model, config.max_model_len
         )
+    # This app's input limits (and max_model_len, also for a preloaded tokenizer).
+    tokenizer = tokenizer.with_limits(InputLimits.from_config(config), config.max_model_len)
     async with contextlib.AsyncExitStack() as stack:
+        stack.push_async_callback(tokenizer.aclose)  # client-template worker processes
         engines = EngineClient.create(config)
         stack.push_async_callback(engines.close)
         pool = EndpointPool(config.prefill, config.decode, metrics, health=HealthSettings(

@@ -169,21 +169,31 @@ class Orchestrator:
             await asyncio.gather(*self._background, return_exceptions=True)
 
     async def tokenize(self, req: ClientRequest) -> None:
-        """Fill `req.prompt_token_ids` (single prompts) and enforce the context length."""
+        """Fill `req.prompt_token_ids` (single prompts) and enforce the context length.
+
+        A prompt whose length in characters already proves it cannot fit is refused before
+        it is tokenized (or, for chat, before the template renders all of it)."""
         tok = self.tokenizer
+        char_limit = tok.char_limit(req.max_tokens)
         if isinstance(req.params, ChatParams):
-            messages = req.body["messages"]
-            kwargs = req.params.chat_template_kwargs
-            ids = await tok.encode_chat(
-                messages, add_generation_prompt=req.params.add_generation_prompt,
-                template_kwargs=kwargs,
+            text = await tok.render_chat(
+                req.body["messages"], add_generation_prompt=req.params.add_generation_prompt,
+                template_kwargs=req.params.chat_template_kwargs,
+                chat_template=req.params.chat_template, stop_after=char_limit,
             )
+            special = False  # the template wrote BOS and friends
         elif isinstance(req.prompt, str):
-            ids = await tok.encode_prompt(req.prompt)
+            text, special = req.prompt, True
         elif req.prompt is not None:
-            ids = req.prompt
+            req.prompt_token_ids = req.prompt
+            check_context_length(len(req.prompt), req.max_tokens, tok.max_model_len)
+            return
         else:
             return  # batch prompts: each entry is checked by the engine
+        if char_limit is not None and len(text) > char_limit:
+            check_context_length(tok.min_tokens(len(text)), req.max_tokens,
+                                 tok.max_model_len, at_least=True)
+        ids = await tok.encode_text(text, add_special_tokens=special)
         req.prompt_token_ids = ids
         check_context_length(len(ids), req.max_tokens, tok.max_model_len)
 
@@ -372,17 +382,20 @@ class _DecodeBodies:
             self._orch.abort_prefill(self._req, prefill)
 
 
-def check_context_length(prompt_tokens: int, max_tokens: int | None, limit: int | None) -> None:
+def check_context_length(prompt_tokens: int, max_tokens: int | None, limit: int | None,
+                         *, at_least: bool = False) -> None:
     """Raise `ContextLengthExceeded` when the prompt plus the requested completion (at
-    least one token) does not fit `limit` tokens. No check when the limit is unknown."""
+    least one token) does not fit `limit` tokens. No check when the limit is unknown.
+    `at_least`: `prompt_tokens` is a lower bound (the prompt was not tokenized)."""
     if limit is None:
         return
     wanted = prompt_tokens + (max_tokens or 1)
     if wanted > limit:
+        some = "at least " if at_least else ""
         raise ContextLengthExceeded(
             f"This model's maximum context length is {limit} tokens. However, you requested "
-            f"{wanted} tokens ({prompt_tokens} in the prompt, {max_tokens or 1} for the "
-            "completion). Please reduce the length of the prompt or of max_tokens.",
+            f"{some}{wanted} tokens ({some}{prompt_tokens} in the prompt, {max_tokens or 1} "
+            "for the completion). Please reduce the length of the prompt or of max_tokens.",
             param="max_tokens" if max_tokens else "prompt",
         )
 

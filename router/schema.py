@@ -4,6 +4,11 @@ The raw JSON object is kept and forwarded untouched (engines may support fields 
 has never heard of); the msgspec structs below only validate the fields the router itself
 relies on, and ignore the rest. Validation failures raise `InvalidRequest` with `param` set
 to the offending field.
+
+Every body that cannot be decoded is an `InvalidRequest` too: nesting deeper than
+`max_json_depth` is refused before decoding (router/limits.py), invalid UTF-8 (overlong
+forms, encoded surrogates, stray bytes) and unpaired `\ud800`-style escapes by msgspec, so
+no decoded string holds a lone surrogate.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import msgspec
 from msgspec import Meta
 
 from router.errors import InvalidRequest
+from router.limits import InputLimits, check_json_depth
 
 __all__ = [
     "ChatParams",
@@ -28,6 +34,7 @@ __all__ = [
 ]
 
 PositiveInt = Annotated[int, Meta(ge=1)]
+TokenId = Annotated[int, Meta(ge=0)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 TopP = Annotated[float, Meta(gt=0.0, le=1.0)]
 
@@ -64,6 +71,7 @@ class ChatParams(_Common, kw_only=True):
 
     messages: Annotated[list[Message], Meta(min_length=1)]
     add_generation_prompt: bool = True
+    chat_template: str | None = None  # a client template: refused unless allowed
     chat_template_kwargs: dict[str, Any] | None = None
 
 
@@ -112,18 +120,33 @@ class ClientRequest:
 
 T = TypeVar("T")
 
+_DEFAULT_LIMITS = InputLimits()
 _decode_object = msgspec.json.Decoder(dict[str, Any]).decode
 _PATH_RE = re.compile(r"- at `\$\.?([^`]*)`")
 _MISSING_RE = re.compile(r"missing required field `([^`]+)`")
 
 
-def _decode(raw: bytes) -> dict[str, Any]:
+def _decode(raw: bytes, limits: InputLimits) -> dict[str, Any]:
+    check_json_depth(raw, limits.max_json_depth)
     try:
         return _decode_object(raw)
     except msgspec.ValidationError:
         raise InvalidRequest("request body must be a JSON object") from None
     except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON: {exc}") from None
+        raise InvalidRequest(f"request body is not valid JSON: {_explain(raw, exc)}") from None
+    except UnicodeDecodeError as exc:  # msgspec's error for bad UTF-8 inside a string
+        raise InvalidRequest(f"request body is not valid UTF-8 ({exc.reason})") from None
+    except RecursionError:  # only if the depth check let something through
+        raise InvalidRequest("request body nests arrays/objects too deeply") from None
+
+
+def _explain(raw: bytes, exc: msgspec.DecodeError) -> str:
+    message = str(exc)
+    # msgspec reports `"\ud800x"` as truncated input; say what is actually wrong.
+    if ("surrogate" in message or "truncated" in message) and (
+            b"\\ud" in raw or b"\\uD" in raw):
+        message += " (a \\ud800-\\udfff escape must be half of a surrogate pair)"
+    return message
 
 
 def _convert(body: dict[str, Any], typ: type[T]) -> T:
@@ -144,15 +167,23 @@ def _param_of(message: str) -> str | None:
     return path or None
 
 
-def parse_completion(raw: bytes) -> tuple[dict[str, Any], CompletionParams]:
+def parse_completion(raw: bytes, limits: InputLimits | None = None
+                     ) -> tuple[dict[str, Any], CompletionParams]:
     """Decode and validate a completions body; returns (raw object, validated view)."""
-    body = _decode(raw)
+    body = _decode(raw, limits or _DEFAULT_LIMITS)
     return body, _convert(body, CompletionParams)
 
 
-def parse_chat(raw: bytes) -> tuple[dict[str, Any], ChatParams]:
-    """Decode and validate a chat completions body; returns (raw object, validated view)."""
-    body = _decode(raw)
+def parse_chat(raw: bytes, limits: InputLimits | None = None
+               ) -> tuple[dict[str, Any], ChatParams]:
+    """Decode and validate a chat completions body; returns (raw object, validated view).
+    More than `limits.max_messages` messages are refused before they are validated."""
+    limits = limits or _DEFAULT_LIMITS
+    body = _decode(raw, limits)
+    messages = body.get("messages")
+    if isinstance(messages, list) and len(messages) > limits.max_messages:
+        raise InvalidRequest(f"at most {limits.max_messages} messages are accepted",
+                             param="messages")
     return body, _convert(body, ChatParams)
 
 
@@ -160,18 +191,19 @@ def classify_prompt(prompt: str | list[Any]) -> tuple[str | list[int] | None, bo
     """Split a completions `prompt` into (single prompt or None, is_batch).
 
     Accepts a string, a list of token ids, a list of strings or a list of token-id lists;
-    a one-element list of either counts as that single prompt.
+    a one-element list of either counts as that single prompt. Token lists are checked by
+    msgspec (a 4 MiB body holds two million ids: no Python loop over them).
     """
     if isinstance(prompt, str):
         return prompt, False
     if not prompt:
         raise InvalidRequest("prompt must not be empty", param="prompt")
-    if all(_is_token(t) for t in prompt):
-        return list(prompt), False
+    if (ids := _as(prompt, list[TokenId])) is not None:
+        return ids, False
     if all(isinstance(p, str) for p in prompt):
         return (prompt[0], False) if len(prompt) == 1 else (None, True)
-    if all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in prompt):
-        return (list(prompt[0]), False) if len(prompt) == 1 else (None, True)
+    if (lists := _as(prompt, list[Annotated[list[TokenId], Meta(min_length=1)]])) is not None:
+        return (lists[0], False) if len(lists) == 1 else (None, True)
     raise InvalidRequest(
         "prompt must be a string, a list of token ids, a list of strings "
         "or a list of token-id lists",
@@ -179,5 +211,8 @@ def classify_prompt(prompt: str | list[Any]) -> tuple[str | list[int] | None, bo
     )
 
 
-def _is_token(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool) and t >= 0
+def _as(value: Any, typ: type[T]) -> T | None:
+    try:
+        return msgspec.convert(value, typ)
+    except msgspec.ValidationError:
+        return None

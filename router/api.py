@@ -225,6 +225,8 @@ def _completion_handler(
         try:
             req = build_request(kind, raw, request, ids.internal, st.config.served_names,
                                 ids.client)
+            # Only while the router starts: engines probed every 0.2 s until ready.
+            await st.pool.wait_first_ready(st.config.startup_wait_s)
             result = await until_disconnected(request, st.orchestrator.handle(req))
         except RouterError as exc:
             _count(st, route, exc.status, t0)

@@ -61,6 +61,9 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("decode_idle_timeout_s", float, "max seconds between two chunks of a decode reply"),
     ("health_interval_s", float, "seconds between engine health checks (GET /health)"),
     ("health_timeout_s", float, "seconds one health check may take"),
+    ("startup_wait_s", float, "seconds a request arriving before the engines were first "
+                              "healthy waits for them (engines are probed every 0.2 s "
+                              "until ready)"),
     ("max_connections", int, "max pooled connections to all engines together"),
     ("engine_keepalive_s", float, "seconds an idle engine connection is kept open"),
     ("max_body_bytes", int, "largest accepted request body in bytes (larger: 413)"),

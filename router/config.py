@@ -65,6 +65,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     decode_first_byte_timeout_s: float = 300.0
     decode_idle_timeout_s: float = 60.0
     health_interval_s: float = 5.0
+    # A request arriving before any engine pair was ever healthy (router just started) waits
+    # up to this long for one instead of failing at once.
+    startup_wait_s: float = 10.0
     health_timeout_s: float = 2.0
     max_connections: int = 1024
     engine_keepalive_s: float = 4.0
@@ -159,6 +162,7 @@ _POSITIVE = (
     "decode_first_byte_timeout_s",
     "decode_idle_timeout_s",
     "health_interval_s",
+    "startup_wait_s",
     "health_timeout_s",
     "max_connections",
     "max_body_bytes",

@@ -76,6 +76,7 @@ class EndpointPool:
         self._next_index: dict[Role, int] = {"prefill": len(prefill), "decode": len(decode)}
         for ep in self.all():
             self._attach_health(ep)
+        self._became_ready = asyncio.Event()  # set once ready() was first true
 
     @staticmethod
     def _make(url: str, role: Role, index: int, metrics: RouterMetrics) -> Endpoint:
@@ -195,11 +196,28 @@ class EndpointPool:
         results = await asyncio.gather(*(probe(ep) for ep in eps), return_exceptions=True)
         for ep, ok in zip(eps, results, strict=True):
             ep.set_healthy(ep.health.probe(ok is True, ep.healthy))
+        if self.ready():
+            self._became_ready.set()
 
-    async def run_health_checks(self, probe: Probe, interval_s: float) -> None:
-        """Probe forever every `interval_s` seconds; cancel the task to stop it."""
+    async def wait_first_ready(self, timeout_s: float) -> bool:
+        """Until the pool was ready once (a prefill and a decode engine healthy), at most
+        `timeout_s` seconds; True when it has been. Returns at once after the first time:
+        only requests that arrive while the router starts up wait here."""
+        if self._became_ready.is_set():
+            return True
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                await self._became_ready.wait()
+        return self._became_ready.is_set()
+
+    async def run_health_checks(self, probe: Probe, interval_s: float,
+                                fast_interval_s: float = 0.2) -> None:
+        """Probe forever every `interval_s` seconds, or every `fast_interval_s` while the
+        pool is not ready (engines still starting: the router is ready as soon as they
+        are, not up to a whole interval later); cancel the task to stop it."""
         while True:
-            await asyncio.sleep(interval_s)
+            await asyncio.sleep(interval_s if self.ready() else min(fast_interval_s,
+                                                                    interval_s))
             try:
                 await self.check_all(probe)
             except Exception:  # a bug in a probe must not end health checking

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import anyio.to_thread
 from fastapi import FastAPI
@@ -27,6 +27,7 @@ from router.config import RouterConfig, validate_config
 from router.dashboard import install_dashboard
 from router.discovery import KubernetesDiscovery
 from router.engines import EngineClient
+from router.errors import RouterError
 from router.flows_setup import open_pd_flow
 from router.health import HealthSettings
 from router.limits import InputLimits
@@ -107,6 +108,8 @@ async def _serving_state(
         async def probe(ep: Endpoint) -> bool:
             return await engines.health(ep.url)
 
+        engines.set_stream_listener(_breaker_feed(pool))
+
         await pool.check_all(probe)
         if config.discovery == "k8s":
             await _start_discovery(config, pool, stack)
@@ -122,6 +125,21 @@ async def _serving_state(
         orchestrator.pd_flow = await open_pd_flow(config, orchestrator, registry, stack)
         yield RouterState(config, metrics, registry, pool, orchestrator, int(time.time()),
                           _admission(config, metrics))
+
+
+def _breaker_feed(pool: EndpointPool) -> Callable[[str, RouterError | None], None]:
+    """How each decode stream ended, fed to that engine's breaker: a stream that breaks
+    after its first byte (reset, garbage, an overlong line) counts against its engine."""
+
+    def stream_ended(url: str, error: RouterError | None) -> None:
+        for ep in pool.endpoints("decode"):
+            if ep.url == url:
+                if error is None:
+                    ep.health.record_success()
+                else:
+                    ep.health.record_failure()
+
+    return stream_ended
 
 
 def _admission(config: RouterConfig, metrics: RouterMetrics) -> Admission:

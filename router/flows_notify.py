@@ -225,11 +225,13 @@ class NotifyFlow:
         stack.enter_context(o.pool.track(d_ep))
         try:
             stream = await o.engines.open_stream(d_ep.url, req.path, body, req.engine_headers)
+            stack.callback(stream.close)
+            # Garbage or an error where the stream should start is a 502, not a 200.
+            await stream.check_start(o.engines.first_byte_timeout_s)
         except BaseException:
             stack.close()
             self.aborter.abort(d_ep, req.request_id, req.engine_headers)
             raise
-        stack.callback(stream.close)
         stack.callback(kv.leg.cancel)  # a no-op once P has answered
         rewrite = req.wants_usage_chunks and kv.params is not None
         chunks = relay(stream, kv.leg, o.metrics, t0, MODE, rewrite)

@@ -262,7 +262,8 @@ class Orchestrator:
             stack.callback(stream.close)
             return stream, stack
 
-        stream, stack = await self._with_retry("decode", req, call, reuse=bodies.take_fresh)
+        stream, stack = await self._with_retry("decode", req, call, reuse=bodies.take_fresh,
+                                               stream=True)
         bodies.settle(prefill)
         usage = _usage_to_apply(bodies.prefill) if req.wants_usage_chunks else None
         chunks = self.relay_decode(stream, usage, t0, mode)
@@ -279,7 +280,7 @@ class Orchestrator:
 
     async def _with_retry(
         self, role: Role, req: ClientRequest, call: Callable[[Endpoint], Awaitable[T]],
-        reuse: Callable[[], bool] | None = None,
+        reuse: Callable[[], bool] | None = None, *, stream: bool = False,
     ) -> T:
         """Run `call` on a `role` engine; after a failure that blames the engine, try other
         engines (up to `max_retries` more, jittered exponential backoff between attempts).
@@ -317,7 +318,8 @@ class Orchestrator:
                     raise
                 error = exc
                 continue
-            ep.health.record_success()
+            if not stream:  # a stream's verdict comes when it ends (the engines' listener)
+                ep.health.record_success()
             req.served_by[role] = ep.url
             return result
         assert error is not None

@@ -482,9 +482,6 @@ async def test_stream_listener_hears_how_each_stream_ended(bad: HostileEngine) -
         assert heard == []
 
 
-@pytest.mark.xfail(strict=True, reason="needs the app to wire EngineClient.set_stream_listener "
-                   "to the decode engines' breakers, and the orchestrator to stop recording "
-                   "a streaming decode leg as a success when it opens (see router/errors.py)")
 async def test_mid_stream_faults_open_the_breaker(
     make_engine: MakeEngine, start_router: StartRouter, bad: HostileEngine
 ) -> None:

@@ -98,6 +98,10 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                            "notices with (engines: --notify-secret)"),
     ("kv_ready_timeout_s", float, "notify mode: seconds a request waits for its KV-ready "
                                   "notice before failing with 504"),
+    ("notify_ttl_s", float, "notify mode: seconds the KV-ready proxy keeps an unclaimed "
+                            "notice or a never-awaited waiter"),
+    ("notify_reap_interval_s", float, "notify mode: seconds between the proxy's sweeps of "
+                                      "expired notices and waiters"),
     ("early_first_token", bool, "notify/push modes: stream the prefill engine's first token "
                                 "to the client at once; the decode engine continues after it"),
     ("max_concurrent_requests", int, "requests served at once; more wait in the queue"),
@@ -123,8 +127,9 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                               "request (half-open)"),
     ("max_retries", int, "extra attempts per leg on other engines, before the first byte"),
     ("retry_backoff_s", float, "base of the exponential, jittered pause between attempts"),
-    ("kv_abort_timeout_s", float, "deadline of the best-effort request asking a prefill "
-                                  "engine to free a failed request's KV blocks"),
+    ("kv_abort_timeout_s", float, "deadline of the best-effort request asking an engine to "
+                                  "free what it holds for a failed or abandoned request (every "
+                                  "mode: P's blocks, D's reservation or push registration)"),
     ("max_json_depth", int, "deepest nesting of arrays/objects accepted in a request body "
                             "(deeper: 400)"),
     ("max_messages", int, "most chat messages in one request (more: 400)"),

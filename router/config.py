@@ -98,6 +98,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     notify_advertise_host: str | None = None
     notify_secret: str | None = None
     kv_ready_timeout_s: float = 30.0
+    # The embedded proxy's table: unclaimed early notices and never-awaited waiters live
+    # this long; the reaper runs this often.
+    notify_ttl_s: float = 60.0
+    notify_reap_interval_s: float = 1.0
     # Notify/push: stream P's first token to the client as soon as P answers
     # (router/early_token.py).
     early_first_token: bool = True
@@ -169,6 +173,8 @@ _POSITIVE = (
     "prefix_block_size",
     "prefix_index_max_blocks",
     "kv_ready_timeout_s",
+    "notify_ttl_s",
+    "notify_reap_interval_s",
     "max_concurrent_requests",
     "queue_timeout_s",
     "health_failure_threshold",

@@ -584,11 +584,15 @@ class EngineClient:
                             max_line_bytes=self._cfg.max_sse_line_bytes,
                             listener=self._stream_listener)
 
-    async def abort_kv(self, url: str, request_id: str, timeout_s: float) -> str:
-        """Best effort: ask prefill engine `url` to free the KV blocks it pinned for
-        `request_id` (`POST /v1/kv/abort`, served by engine_shim). Never raises; returns
-        "ok", "unsupported" (404/405: e.g. vLLM has no such route) or "failed"."""
-        body = _json_encode({"request_id": request_id})
+    async def abort_kv(self, url: str, request_id: str, timeout_s: float, *,
+                       write_possible: bool = True) -> str:
+        """Best effort: ask engine `url` to free the KV blocks it holds for `request_id`
+        (`POST /v1/kv/abort`, served by engine_shim; see router/aborts.py). Never raises;
+        returns "ok", "unsupported" (404/405: e.g. vLLM has no such route) or "failed"."""
+        payload: dict[str, Any] = {"request_id": request_id}
+        if not write_possible:
+            payload["write_possible"] = False
+        body = _json_encode(payload)
         try:
             async with self._session.post(
                 url + "/v1/kv/abort", data=body, allow_redirects=False,

@@ -34,7 +34,7 @@ from router.pool import Endpoint, EndpointPool
 from router.schema import ClientRequest
 from router.sse import UsageRewriter
 
-__all__ = ["Aborter", "ChunkSource", "FlowMetrics", "KVInfoCache", "PrefillLeg",
+__all__ = ["ChunkSource", "FlowMetrics", "KVInfoCache", "PrefillLeg",
            "decode_leg_body", "open_continuation", "prefill_leg_body", "relay", "relay_chunks",
            "rewrite_reply_usage"]
 
@@ -43,7 +43,6 @@ _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
 _DONE = b"data: [DONE]\n\n"
 _PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
-ABORT_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -172,39 +171,6 @@ class KVInfoCache:
 
     def forget(self, ep: Endpoint) -> None:
         self._info.pop(ep.url, None)
-
-
-class Aborter:
-    """Tells engines to free what they hold for a request (P's blocks, D's reservation or
-    push wait): `POST /v1/kv/abort`, in the background and best effort (an engine that is
-    down frees by its TTLs). One per app; `close()` cancels what is still running."""
-
-    def __init__(self, engines: EngineClient) -> None:
-        self._engines = engines
-        self._tasks: set[asyncio.Task[None]] = set()
-
-    def abort(self, ep: Endpoint, request_id: str, headers: Mapping[str, str], *,
-              write_possible: bool = True) -> None:
-        """`write_possible=False`: no prefill engine was asked to write into D's blocks for
-        this request, so D may free its reservation at once (no landing grace)."""
-        payload: dict[str, Any] = {"request_id": request_id}
-        if not write_possible:
-            payload["write_possible"] = False
-        body = _json_encode(payload)
-
-        async def call() -> None:
-            with contextlib.suppress(RouterError, TimeoutError):
-                async with asyncio.timeout(ABORT_TIMEOUT_S):
-                    await self._engines.post_json(ep.url, "/v1/kv/abort", body, headers)
-
-        task = asyncio.create_task(call(), name=f"kv-abort-{request_id}")
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
 async def open_continuation(engines: EngineClient, req: ClientRequest, url: str,

@@ -36,10 +36,10 @@ from proxy import (
     WaiterLimitExceeded,
     WaiterTable,
 )
+from router.aborts import Aborter
 from router.early_token import eligible, first_token_ids, head_chunks
 from router.errors import EngineError, EngineRejected, EngineTimeout, Overloaded, RouterError
 from router.flows_common import (
-    Aborter,
     FlowMetrics,
     PrefillLeg,
     decode_leg_body,
@@ -91,7 +91,7 @@ class NotifyFlow:
             p_ep = await choose(o.pool, "prefill", o.policies["prefill"], ctx)
             leg = self._dispatch(req, p_ep, slot, num_tokens)
         except BaseException:  # P was never asked to write: D frees the reservation at once
-            self.aborter.abort(d_ep, req.request_id, req.engine_headers, write_possible=False)
+            self.aborter.abort(d_ep.url, req.request_id, write_possible=False)
             raise
         wait = self._wait_kv(req, leg, p_ep, d_ep, slot, num_tokens)
         req.served_by["decode"] = d_ep.url
@@ -116,15 +116,13 @@ class NotifyFlow:
                 call.add_done_callback(lambda c: self._release_reserved(c, d_ep, req))
                 raise
             except EngineTimeout:
-                self.aborter.abort(d_ep, req.request_id, req.engine_headers,
-                                   write_possible=False)
+                self.aborter.abort(d_ep.url, req.request_id, write_possible=False)
                 raise
 
     def _release_reserved(self, call: asyncio.Future[dict[str, Any]], d_ep: Endpoint,
                           req: ClientRequest) -> None:
         if not call.cancelled() and call.exception() is None:
-            self.aborter.abort(d_ep, req.request_id, req.engine_headers,
-                               write_possible=False)
+            self.aborter.abort(d_ep.url, req.request_id, write_possible=False)
 
     def _dispatch(self, req: ClientRequest, p_ep: Endpoint, slot: dict[str, Any],
                   n: int) -> PrefillLeg:
@@ -175,14 +173,14 @@ class NotifyFlow:
     def _failed(self, req: ClientRequest, leg: PrefillLeg, p_ep: Endpoint, d_ep: Endpoint,
                 exc: BaseException) -> _Leg:
         """Clean up after a wait that did not end in KV-ready; a fallback or raise."""
-        rid, headers = req.request_id, req.engine_headers
-        self.aborter.abort(d_ep, rid, headers)  # D's reservation
+        rid = req.request_id
+        self.aborter.abort(d_ep.url, rid)  # D's reservation
         if isinstance(exc, WaitCancelled) and leg.error() is None and leg.task.done():
             # P answered without pushing (early stop, as vLLM: no KV params): D recomputes.
             self.orch.metrics.fallbacks.labels("no_kv_push").inc()
             return _Leg(leg, None)
         leg.cancel()
-        self.aborter.abort(p_ep, rid, headers)  # P's blocks, if it pinned any
+        self.aborter.abort(p_ep.url, rid)  # P's blocks, if it pinned any
         failure = leg.error()
         if isinstance(failure, RouterError):
             self.metrics.flow_failures.labels(MODE, "prefill_failed").inc()
@@ -207,7 +205,7 @@ class NotifyFlow:
             with o.pool.track(d_ep):
                 raw = await o.engines.post_raw(d_ep.url, req.path, body, req.engine_headers)
         except BaseException:
-            self.aborter.abort(d_ep, req.request_id, req.engine_headers)
+            self.aborter.abort(d_ep.url, req.request_id)
             raise
         o.metrics.child(o.metrics.ttft, MODE).observe(time.perf_counter() - t0)
         usage = kv.leg.usage() if kv.params is not None else None
@@ -230,7 +228,7 @@ class NotifyFlow:
             await stream.check_start(o.engines.first_byte_timeout_s)
         except BaseException:
             stack.close()
-            self.aborter.abort(d_ep, req.request_id, req.engine_headers)
+            self.aborter.abort(d_ep.url, req.request_id)
             raise
         stack.callback(kv.leg.cancel)  # a no-op once P has answered
         rewrite = req.wants_usage_chunks and kv.params is not None
@@ -315,7 +313,7 @@ class _EarlyStream:
             # KV landed but the decode leg never claimed it, or was cut before D admitted
             # it: D would hold the reservation until it expires.
             req = self._req
-            self._flow.aborter.abort(self._d_ep, req.request_id, req.engine_headers)
+            self._flow.aborter.abort(self._d_ep.url, req.request_id)
 
 
 class _Leg:

@@ -25,11 +25,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import TypeVar
 
+from router.aborts import Aborter
 from router.early_token import eligible, first_token_ids, head_chunks
 from router.engines import EngineStream
 from router.errors import EngineError, EngineRejected, RouterError
 from router.flows_common import (
-    Aborter,
     FlowMetrics,
     KVInfoCache,
     PrefillLeg,
@@ -141,7 +141,7 @@ class PushFlow:
         D gave up on it), P may still hold the prompt's blocks for a registration that will
         not come (the client left first): tell P to free them now, not at its TTL."""
         if not source.finished:
-            self.aborter.abort(watch.p_ep, watch.req.request_id, watch.req.engine_headers)
+            self.aborter.abort(watch.p_ep.url, watch.req.request_id)
 
     async def _stream_early(self, req: ClientRequest, d_ep: Endpoint, body: bytes,
                             watch: _Watch, t0: float) -> StreamResult:
@@ -156,13 +156,13 @@ class PushFlow:
         except BaseException:
             stack.close()
             watch.leg.cancel()
-            self.aborter.abort(watch.p_ep, req.request_id, req.engine_headers)
+            self.aborter.abort(watch.p_ep.url, req.request_id)
             raise
         reply = watch.leg.reply()
         ids = first_token_ids(reply) if watch.pushed and reply is not None else None
         if reply is None or ids is None:  # D waits for a token P will not name
             stack.close()
-            self.aborter.abort(d_ep, req.request_id, req.engine_headers)
+            self.aborter.abort(d_ep.url, req.request_id)
             return await self._open_decode(req, d_ep, decode_leg_body(req.body, None),
                                            watch, t0)
         head = head_chunks(reply, req.kind == "chat", req.wants_usage_chunks)
@@ -233,7 +233,7 @@ class _Watch:
         except BaseException:
             step.cancel()
             self.leg.cancel()
-            self.flow.aborter.abort(self.p_ep, self.req.request_id, self.req.engine_headers)
+            self.flow.aborter.abort(self.p_ep.url, self.req.request_id)
             raise
 
     def prefill_done(self) -> None:
@@ -254,7 +254,7 @@ class _Watch:
         self.pushed = isinstance(params, dict) and params.get("pdgate_mode") == MODE
         if not self.pushed:
             self.flow.orch.metrics.fallbacks.labels("no_kv_push").inc()
-            self.flow.aborter.abort(self.d_ep, self.req.request_id, self.req.engine_headers)
+            self.flow.aborter.abort(self.d_ep.url, self.req.request_id)
         self.flow.orch.metrics.prefill_duration.observe(time.perf_counter() - self.leg.t0)
 
 

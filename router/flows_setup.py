@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry
 
 from proxy import NotifyServer, ProxyConfig, ProxyMetrics
 from router.config import RouterConfig
-from router.flows_common import Aborter, FlowMetrics, KVInfoCache
+from router.flows_common import FlowMetrics, KVInfoCache
 from router.flows_notify import NotifyFlow
 from router.flows_push import PushFlow
 from router.orchestrator import Orchestrator, PDFlow
@@ -26,14 +26,14 @@ async def open_pd_flow(
     if config.pd_mode == "pull":
         return None
     metrics = FlowMetrics.create(registry)
-    aborter = Aborter(orch.engines)
-    stack.push_async_callback(aborter.close)
+    aborter = orch.aborter  # closed with the orchestrator
     if config.pd_mode == "push":
         return PushFlow(orch, metrics, aborter, KVInfoCache(orch.engines),
                         early_first_token=config.early_first_token)
     proxy = NotifyServer(
         ProxyConfig(bind=config.notify_bind, advertise_host=config.notify_advertise_host,
-                    notify_secret=config.notify_secret),
+                    notify_secret=config.notify_secret, ttl_s=config.notify_ttl_s,
+                    reap_interval_s=config.notify_reap_interval_s),
         metrics=ProxyMetrics.create(registry),
     )
     await proxy.start()

@@ -21,6 +21,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
+from router.aborts import Aborter
 from router.decider import Decider, Decision, PrefixDecider, decide
 from router.engines import (
     EngineClient,
@@ -110,8 +111,8 @@ class Orchestrator:
         self.pd_flow: PDFlow | None = None  # notify/push mode, set by the app's lifespan
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
-        self.kv_abort_timeout_s = kv_abort_timeout_s
-        self._background: set[asyncio.Task[None]] = set()  # best-effort KV aborts
+        # Every flow's best-effort KV aborts (router/aborts.py).
+        self.aborter = Aborter(engines, metrics, kv_abort_timeout_s)
 
     async def handle(self, req: ClientRequest) -> bytes | StreamResult:
         """Run `req`: JSON body bytes for a non-streaming answer, else a `StreamResult`."""
@@ -152,21 +153,11 @@ class Orchestrator:
         in the background). No-op when P pinned nothing."""
         url = req.served_by.get("prefill")
         if prefill is not None and prefill.kv_params is not None and url is not None:
-            self._abort_kv(url, req.request_id)
-
-    def _abort_kv(self, url: str, request_id: str) -> None:
-        async def run() -> None:
-            result = await self.engines.abort_kv(url, request_id, self.kv_abort_timeout_s)
-            self.metrics.child(self.metrics.kv_aborts, result).inc()
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+            self.aborter.abort(url, req.request_id)
 
     async def aclose(self) -> None:
         """Wait for pending KV aborts (each bounded by `kv_abort_timeout_s`)."""
-        if self._background:
-            await asyncio.gather(*self._background, return_exceptions=True)
+        await self.aborter.aclose()
 
     async def tokenize(self, req: ClientRequest) -> None:
         """Fill `req.prompt_token_ids` (single prompts) and enforce the context length.
@@ -210,7 +201,7 @@ class Orchestrator:
                     )
                 except (asyncio.CancelledError, EngineTimeout):
                     # P may still finish this prefill and pin blocks nobody will read.
-                    self._abort_kv(ep.url, req.request_id)
+                    self.aborter.abort(ep.url, req.request_id)
                     raise
 
         reply = await self._with_retry("prefill", req, call)

@@ -116,13 +116,55 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"], help="log level")
+    _add_kv_timing(p)
     return p
+
+
+def _add_kv_timing(p: argparse.ArgumentParser) -> None:
+    """The KV path's deadlines and graces (seconds). Defaults are the values they had
+    when they were constants; --kv-lease-seconds and --kv-reserve-seconds are above."""
+    g = p.add_argument_group("KV transfer deadlines (seconds)")
+    g.add_argument("--kv-transfer-timeout", type=_positive_float, default=30.0, metavar="S",
+                   help="seconds for one NIXL READ or WRITE; also how long a push-mode "
+                   "decode waits for the prefill engine's WRITE after registering (a decode "
+                   "leg's push_deadline may end it sooner; a prefill engine that will not "
+                   "write says so at once)")
+    g.add_argument("--kv-handshake-timeout", type=_positive_float, default=5.0, metavar="S",
+                   help="seconds for one side-channel handshake with a peer engine")
+    g.add_argument("--kv-landing-timeout", type=_positive_float, default=10.0, metavar="S",
+                   help="notify mode: seconds a decode leg waits for the prefill engine's "
+                   "landed notice (it trails the router's KV-ready by ~ms)")
+    g.add_argument("--kv-push-grace-seconds", type=_non_negative_float, default=2.0,
+                   metavar="S",
+                   help="push mode: seconds the blocks of a cancelled decode stay out of the "
+                   "pool (the prefill engine may be writing into them)")
+    g.add_argument("--kv-abort-grace-seconds", type=_non_negative_float, default=2.0,
+                   metavar="S",
+                   help="notify mode: seconds POST /v1/kv/abort keeps a reservation's blocks "
+                   "out of the pool when a WRITE into them may still land")
+    g.add_argument("--kv-probe-timeout", type=_positive_float, default=10.0, metavar="S",
+                   help="seconds the start-up KV transport probe (GPU KV only) may take, "
+                   "delaying serving, on a broken transport")
 
 
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text}")
     return value
 
 
@@ -135,6 +177,9 @@ class ConnectorSettings:
     side_channel_port: int
     lease_seconds: float
     notify_secret: str | None = None
+    transfer_timeout: float = 30.0
+    handshake_timeout: float = 5.0
+    probe_timeout: float = 10.0
 
 
 def nixl_connector_factory(settings: ConnectorSettings) -> ConnectorFactory:
@@ -154,6 +199,9 @@ def nixl_connector_factory(settings: ConnectorSettings) -> ConnectorFactory:
             free_blocks=engine.free_blocks,
             metrics=engine.metrics,
             notify_secret=settings.notify_secret,
+            transfer_timeout=settings.transfer_timeout,
+            handshake_timeout=settings.handshake_timeout,
+            probe_timeout=settings.probe_timeout,
         )
         return connector
 
@@ -179,6 +227,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_buffer_device=args.kv_buffer_device,
         kv_layout=LAYOUTS[args.kv_layout],
         kv_load_failure_policy=args.kv_load_failure_policy,
+        landing_timeout=args.kv_landing_timeout,
+        push_grace=args.kv_push_grace_seconds,
+        reservation_abort_grace=args.kv_abort_grace_seconds,
     )
 
 
@@ -217,6 +268,9 @@ def main(argv: list[str] | None = None) -> int:
             side_channel_port=args.side_channel_port,
             lease_seconds=args.kv_lease_seconds,
             notify_secret=notify_secret,
+            transfer_timeout=args.kv_transfer_timeout,
+            handshake_timeout=args.kv_handshake_timeout,
+            probe_timeout=args.kv_probe_timeout,
         ))
     kv = engine.kv
     log.info("serving %s (max_model_len %d, %d blocks of %d) on http://%s:%d; model on %s, "

@@ -8,6 +8,9 @@ meets an engine id, READs the blocks with NIXL and lets P know (the READ carries
 notification, delivered after the data). Every NIXL notification is a typed, versioned
 `engine_shim.notices` frame; a peer's bad frame is counted
 (`pdgate_shim_protocol_errors_total{channel="nixl_notice"}`) and dropped, never fatal.
+Notify/push (P WRITEs into D, `push.py`): P sends a `landed` notice after the data, or a
+`failed` one as soon as it knows the WRITE will not land, so D never waits out its timeout
+for a push that P gave up on.
 
 Threads: every NIXL call runs on one `AgentThread` (NIXL is not thread-safe), which also
 polls notifications, in-flight reads and lease expiry: every 0.5 ms while reads are in
@@ -26,9 +29,9 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import Future, InvalidStateError
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from engine_shim.agent_thread import AgentThread, AgentThreadStopped
 from engine_shim.kv_layout import KVLayout
@@ -39,6 +42,7 @@ from engine_shim.leases import Lease, LeaseTable
 from engine_shim.metrics import ShimMetrics
 from engine_shim.nixl_agent import NixlAgent
 from engine_shim.notices import (
+    Failed,
     Landed,
     Notice,
     NoticeError,
@@ -47,8 +51,17 @@ from engine_shim.notices import (
     Unregistration,
     decode_notice,
     encode_notice,
+    failed,
 )
-from engine_shim.push import Match, PendingPushes, mode_of, notify_target
+from engine_shim.push import (
+    Match,
+    PendingPushes,
+    Refusal,
+    WriteTarget,
+    mode_of,
+    notify_target,
+    push_deadline,
+)
 from engine_shim.side_channel import (
     HandshakePayload,
     SideChannelServer,
@@ -98,14 +111,17 @@ class KVConnector:
     """See the module docstring. Build, `start()` once, `close()` once.
 
     `side_channel_port=0` binds a free port (read `side_channel_port` after start).
-    `lease_seconds`: how long P keeps blocks for a reader that never says done.
-    `transfer_timeout` / `handshake_timeout`: deadlines of one pull (seconds)."""
+    `lease_seconds`: how long P keeps blocks for a reader that never says done (and, in push
+    mode, a prompt or a registration waiting for the other).
+    `transfer_timeout`: one READ or WRITE, and a push-mode D's wait for the landing;
+    `handshake_timeout`: one side-channel round trip; `probe_timeout`: the start-up
+    transport probe (seconds)."""
 
     def __init__(
         self, *, engine_id: str, model_name: str, kv: KVMemory, side_channel_host: str,
         side_channel_port: int, lease_seconds: float, free_blocks: Callable[[list[int]], None],
         metrics: ShimMetrics, transfer_timeout: float = 30.0, handshake_timeout: float = 5.0,
-        notify_secret: str | None = None,
+        probe_timeout: float = 10.0, notify_secret: str | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.model_name = model_name
@@ -117,6 +133,7 @@ class KVConnector:
         self._metrics = metrics
         self._transfer_timeout = transfer_timeout
         self._handshake_timeout = handshake_timeout
+        self._probe_timeout = probe_timeout
         self._leases = LeaseTable(lease_seconds)
         self._thread = AgentThread(f"nixl-{engine_id}", self._tick)
         self._agent: NixlAgent | None = None
@@ -128,11 +145,13 @@ class KVConnector:
         # flight, landing notices on D, the KV-ready sender; see engine_shim/push.py.
         self._pushes = PendingPushes(lease_seconds)
         self._writing_blocks = 0
-        self._write_tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[None]] = set()  # writes and failure notices
         self._landings: OrderedDict[str, Future[tuple[int, ...]]] = OrderedDict()
         self._landings_lock = threading.Lock()
         self._expected: set[str] = set()
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # The serving loop, where failure notices are sent from (they may need a handshake).
+        # The server's lifespan builds us on it; loop-thread entry points set it too.
+        self._loop: asyncio.AbstractEventLoop | None = _running_loop()
         self._notify_secret = notify_secret
         self._sender: NotifySender | None = None
 
@@ -167,7 +186,8 @@ class KVConnector:
         log.info("KV connector %s up: agent %s, side channel %s:%d", self.engine_id,
                  self.agent_name, self._host, self._server.port)
         if self._kv.mem_type == "VRAM":  # catch a silently emulated UCX path before serving
-            probe_transport("VRAM", self._kv.device_id, self._metrics, name=self.agent_name)
+            probe_transport("VRAM", self._kv.device_id, self._metrics, name=self.agent_name,
+                            timeout=self._probe_timeout)
 
     def _count_side_channel(self, result: str) -> None:
         """Side-channel thread: every message counts as a handshake result; the ones that
@@ -191,19 +211,39 @@ class KVConnector:
         self._closed = True
         if self._server is not None:
             self._server.stop()
+        held, refusals = self._pushes.pop_all()
         if self._thread.running:
+            try:  # D waits for these: tell the peers we know (no new handshakes now)
+                self._thread.call(lambda: self._refuse_known_peers(refusals), timeout=10)
+            except Exception as e:
+                log.warning("telling decode engines about the shutdown failed: %s", e)
             try:
                 self._thread.call(self._close_agent, timeout=10)
             except Exception as e:  # closing must go on: the leases below still need freeing
                 log.warning("closing the NIXL agent failed: %s", e)
             self._thread.stop()
         self._release(self._leases.pop_all(), None)
-        held = self._pushes.pop_all()
         if held:
             self._free_blocks(list(held))
         if self._sender is not None:
             self._sender.close()
             self._sender = None
+
+    def _refuse_known_peers(self, refusals: list[Refusal]) -> None:
+        """Agent thread, shutdown: a Failed notice to each refused registration's D that we
+        have met already (its current agent), best effort."""
+        reader = self._reader
+        if reader is None:
+            return
+        for r in refusals:
+            peer = reader.peer(r.target.engine_id)
+            if peer is None or peer.agent_name != r.target.agent_name:
+                continue
+            try:
+                reader.send_notif(peer, _encode(failed(r.target.tag, r.reason, r.detail)))
+            except KVConnectorError as e:
+                log.warning("request %s: could not tell %s: %s", r.request_id,
+                            r.target.engine_id, e)
 
     def _close_agent(self) -> None:
         if self._reader is not None:
@@ -230,17 +270,29 @@ class KVConnector:
 
     def abort(self, request_id: str) -> None:
         """Free every lease `request_id` holds now (router abort, failed decode leg), and any
-        prompt of it still waiting for a push registration."""
+        prompt of it still waiting for a push registration; a D registered for it is told
+        at once (and one registering later too). Event-loop thread."""
         self._release(self._leases.pop_request(request_id), None)
-        held = self._pushes.abort(request_id)
-        if held:
-            self._free_blocks(list(held))
+        self.fail_push(request_id, "aborted", "the router aborted the request on the "
+                       "prefill engine")
         with self._landings_lock:  # D waiting for a push that will not come: stop waiting
             fut = self._landings.get(request_id)
         if fut is not None:
             with contextlib.suppress(InvalidStateError):  # it landed meanwhile
                 fut.set_exception(KVTransferError("the router aborted the push",
                                                   reason="aborted"))
+
+    def fail_push(self, request_id: str, reason: str, detail: str) -> None:
+        """P will not push `request_id` (aborted; its prefill failed, was cancelled or
+        stopped before handing its KV over): free a prompt still waiting, tell a D that
+        registered (a `notices.Failed`), and refuse a registration that comes later.
+        `reason`: a `notices.FAILURE_REASONS` word. Event-loop thread."""
+        self._remember_loop()
+        held, refusal = self._pushes.abort(request_id, reason, detail)
+        if held:
+            self._free_blocks(list(held))
+        if refusal is not None:
+            self._refuse(refusal)
 
     def leased_blocks(self) -> int:
         """Blocks pinned for remote peers right now (pull leases, prompts waiting for a push
@@ -272,11 +324,16 @@ class KVConnector:
                 self._on_notice(sender, msg)
         reads_in_flight = self._reader.poll()
         self._release(self._leases.pop_expired(), "expired")
-        for rid, blocks in self._pushes.expire():
+        expired = self._pushes.expire()
+        for rid, blocks in expired.blocks:
             log.warning("request %s: no push registration in time; %d blocks freed", rid,
                         len(blocks))
             self._metrics.leases_expired.inc()
             self._free_blocks(list(blocks))
+        for refusal in expired.refusals:
+            log.warning("request %s: %s registered, but the prompt did not come in time",
+                        refusal.request_id, refusal.target.engine_id)
+            self._refuse(refusal)
         if reads_in_flight or self._writing_blocks:
             return _BUSY_POLL_S
         if self._awaiting_landing():
@@ -432,7 +489,7 @@ class KVConnector:
         KVTransferError (bad params, table full: the caller keeps the blocks)."""
         if self._closed:
             raise KVConnectorError("KV connector is closed")
-        self._loop = asyncio.get_running_loop()
+        self._remember_loop()
         mode = mode_of(params)
         if mode == "notify":
             self._spawn_write(Match(request_id, tuple(block_ids), num_tokens,
@@ -452,9 +509,46 @@ class KVConnector:
 
     def _spawn_write(self, match: Match) -> None:
         self._writing_blocks += len(match.block_ids)
-        task = asyncio.create_task(self._write_and_notify(match))
-        self._write_tasks.add(task)
-        task.add_done_callback(self._write_tasks.discard)
+        self._spawn(self._write_and_notify(match))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Event-loop thread: run `coro` as a task we keep a reference to until it ends."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _remember_loop(self) -> None:
+        self._loop = _running_loop() or self._loop
+
+    def _refuse(self, r: Refusal) -> None:
+        """Any thread: tell the D of refused registration `r` that no WRITE will come."""
+        self._tell_failed(r.target, r.reason, r.detail)
+
+    def _tell_failed(self, target: WriteTarget, reason: str, detail: str) -> None:
+        """Any thread: send `target`'s D a `Failed` notice for `target.tag`, from the event
+        loop (meeting D may need a handshake). Best effort: D's own timeout still holds."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            log.warning("cannot tell %s that the KV for %r will not come: no event loop",
+                        target.engine_id, target.tag)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (shutdown)
+            loop.call_soon_threadsafe(
+                lambda: self._spawn(self._send_failed(target, reason, detail)))
+
+    async def _send_failed(self, target: WriteTarget, reason: str, detail: str) -> None:
+        req = PullParams(engine_id=target.engine_id, request_id=target.tag, block_ids=(),
+                         host=target.host, port=target.port, agent_name=target.agent_name)
+        try:
+            notif = _encode(failed(target.tag, reason, detail))
+            peer, _ = await self._peer(req)
+            await self._submit(lambda: self._get_reader().send_notif(peer, notif))
+        except KVConnectorError as e:
+            log.warning("could not tell %s that the KV for %r will not come (%s): %s",
+                        target.engine_id, target.tag, reason, e)
+        else:
+            log.info("told %s that the KV for %r will not come (%s)", target.engine_id,
+                     target.tag, reason)
 
     async def _write_and_notify(self, m: Match) -> None:
         t0 = time.perf_counter()
@@ -467,6 +561,8 @@ class KVConnector:
             self._metrics.kv_transfer_failures.labels(op=_WRITE_OP, reason=reason).inc()
             log.warning("request %s: KV write to %s failed: %s", m.request_id,
                         m.target.engine_id, e)
+            if reason != "handshake":  # D unreachable: no way to tell it either
+                self._tell_failed(m.target, reason, error)
         else:
             self._metrics.kv_transfers.labels(op=_WRITE_OP).inc()
             self._metrics.kv_transfer_bytes.labels(op=_WRITE_OP).inc(nbytes)
@@ -552,17 +648,23 @@ class KVConnector:
                 self._release([lease], "released")
         elif isinstance(notice, Landed):
             self._set_landed(notice.tag, tuple(notice.first_token_ids))
+        elif isinstance(notice, Failed):
+            self._set_failed(notice)
         elif isinstance(notice, Unregistration):
-            self._pushes.unregister(notice.request_id)
+            self._pushes.unregister(notice.request_id, sender)
         elif notice.agent_name != sender:
             self._protocol_error("bad_sender")
             log.warning("push registration naming agent %r came from %r; dropped",
                         notice.agent_name, sender)
         else:
-            match = self._pushes.register(notice)
+            answer = self._pushes.register(notice)
             loop = self._loop
-            if match is not None and loop is not None and not loop.is_closed():
-                loop.call_soon_threadsafe(self._spawn_write, match)
+            if isinstance(answer, Refusal):
+                log.warning("request %s: push registration from %s refused (%s)",
+                            answer.request_id, sender, answer.reason)
+                self._refuse(answer)
+            elif answer is not None and loop is not None and not loop.is_closed():
+                loop.call_soon_threadsafe(self._spawn_write, answer)
 
     # -- D side of push / notify --------------------------------------------------------
     # Landings: one concurrent Future per tag, set by the agent thread when P's notice
@@ -584,6 +686,22 @@ class KVConnector:
             self._expected.discard(tag)
         with contextlib.suppress(InvalidStateError):  # landed twice, or aborted meanwhile
             fut.set_result(first_token_ids)
+
+    def _set_failed(self, notice: Failed) -> None:
+        """P says the WRITE tagged `notice.tag` will not land: fail the wait now. Only a
+        landing we expect is failed (a stray notice must not poison a later request)."""
+        with self._landings_lock:
+            fut = self._landings.get(notice.tag)
+            self._expected.discard(notice.tag)
+        if fut is None:
+            log.debug("failed notice for %r, which nobody awaits; dropped", notice.tag)
+            return
+        log.warning("the prefill engine says the KV for %r will not land (%s: %s)",
+                    notice.tag, notice.reason, notice.detail)
+        with contextlib.suppress(InvalidStateError):  # landed or aborted meanwhile
+            fut.set_exception(KVTransferError(
+                f"the prefill engine will not push ({notice.reason}: {notice.detail})",
+                reason="peer"))
 
     def _awaiting_landing(self) -> bool:
         return bool(self._expected)
@@ -609,12 +727,22 @@ class KVConnector:
     async def await_landing(self, tag: str, timeout: float) -> tuple[int, ...] | None:
         """D: wait (at most `timeout` s) for P's notice that the WRITE tagged `tag` landed
         (NIXL delivers it after the data). The tokens P named in it (maybe none) when it
-        did, None when not; the entry is then forgotten."""
+        did, None when not (timeout, P's failed notice, abort); the entry is then
+        forgotten."""
+        try:
+            return await self._wait_landed(tag, timeout)
+        except KVTransferError:
+            return None
+
+    async def _wait_landed(self, tag: str, timeout: float) -> tuple[int, ...]:
+        """Like `await_landing`; raises KVTransferError: "timeout", "peer" (P's failed
+        notice) or "aborted"."""
         fut = self._expect(tag)
         try:
             return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)), timeout)
-        except (TimeoutError, KVTransferError):
-            return None
+        except TimeoutError as e:
+            raise KVTransferError(f"no KV landed for {tag!r} within {timeout:g}s",
+                                  reason="timeout") from e
         finally:
             self.forget_landing(tag)
 
@@ -623,21 +751,15 @@ class KVConnector:
                          ) -> tuple[int, tuple[int, ...]]:
         """D in push mode: register `local_block_ids` with P (named in `params`) and wait
         until P's WRITE landed; returns the bytes received and the tokens P sampled (as its
-        landed notice names them; maybe none). Raises KVTransferError on a bad
-        peer or when nothing landed within the transfer timeout (P is then told to drop the
-        registration)."""
+        landed notice names them; maybe none). Raises KVTransferError on a bad peer, when
+        P says it will not write ("peer", at once), or when nothing landed within the
+        transfer timeout or by the leg's `push_deadline` ("timeout"); P is then told to
+        drop the registration."""
         t0 = time.perf_counter()
+        self._remember_loop()
         try:
-            req = push_peer_params(params, request_id)
-            peer, _ = await self._peer(req)
-            self.expect_landing(request_id)
-            reg = Registration(request_id, self.engine_id, self._host, self.side_channel_port,
-                               self.agent_name, list(local_block_ids), num_tokens)
-            await self._submit(lambda: self._get_reader().send_notif(peer, _encode(reg)))
-            tokens = await self.await_landing(request_id, self._transfer_timeout)
-            if tokens is None:
-                raise KVTransferError(f"no KV pushed by {req.engine_id} in time",
-                                      reason="timeout")
+            tokens = await self._register_and_wait(params, request_id, local_block_ids,
+                                                   num_tokens)
         except BaseException as e:
             self._unregister_later(params, request_id)
             if isinstance(e, KVTransferError):
@@ -647,6 +769,30 @@ class KVConnector:
         nbytes = len(local_block_ids) * layout.block_bytes * layout.num_layers * 2
         self._metrics.kv_transfer_seconds.labels(op="push").observe(time.perf_counter() - t0)
         return nbytes, tokens
+
+    async def _register_and_wait(self, params: Mapping[str, object], request_id: str,
+                                 local_block_ids: list[int], num_tokens: int
+                                 ) -> tuple[int, ...]:
+        """The landing wait is `transfer_timeout` from the registration; `push_deadline`
+        (wall clock, the router's) bounds the whole step, handshake included."""
+        req = push_peer_params(params, request_id)
+        deadline = push_deadline(params)
+        left = None if deadline is None else deadline - time.time()
+        if left is not None and left <= 0:
+            raise KVTransferError("push_deadline passed before the push wait began",
+                                  reason="timeout")
+        try:
+            async with asyncio.timeout(left):
+                peer, _ = await self._peer(req)
+                self.expect_landing(request_id)
+                reg = Registration(request_id, self.engine_id, self._host,
+                                   self.side_channel_port, self.agent_name,
+                                   list(local_block_ids), num_tokens)
+                await self._submit(lambda: self._get_reader().send_notif(peer, _encode(reg)))
+                return await self._wait_landed(request_id, self._transfer_timeout)
+        except TimeoutError as e:  # only asyncio.timeout's: _wait_landed raises its own
+            raise KVTransferError(f"push_deadline passed before the KV from "
+                                  f"{req.engine_id} landed", reason="timeout") from e
 
     def _unregister_later(self, params: Mapping[str, object], request_id: str) -> None:
         self.forget_landing(request_id)
@@ -661,6 +807,13 @@ class KVConnector:
                 reader.send_notif(peer, _encode(Unregistration(request_id=request_id)))
 
         self._thread.submit(unregister)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:  # built outside a loop (tests, tools)
+        return None
 
 
 def _encode(notice: Notice) -> bytes:

@@ -11,7 +11,9 @@ Lifecycle of a request (`await Engine.open(req)` -> `RequestStream`):
    ran to its length cap, the prompt's blocks go to the connector's lease
    (`hold_for_remote_decode`) and the final output carries the `kv_transfer_params`. On
    cancel (client gone) or error they are freed too. No exit path keeps blocks outside the
-   pool or a lease.
+   pool or a lease. A push-mode prefill that ends any other way than by handing its blocks
+   over (not admitted, cancelled, failed, stopped early) tells the connector
+   (`fail_push`), which tells the decode engine waiting for it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import hashlib
 import itertools
 import logging
 import random
+import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Mapping
@@ -38,7 +41,7 @@ from engine_shim.kv_layout import LAYOUT_NAME
 from engine_shim.metrics import ShimMetrics
 from engine_shim.model import LlamaModel
 from engine_shim.prefix_cache import PrefixCache
-from engine_shim.push import mode_of
+from engine_shim.push import mode_of, push_deadline
 from engine_shim.reservations import Reservation, Reservations
 from engine_shim.sampler import SamplingParams
 from engine_shim.scheduler import Scheduler
@@ -65,8 +68,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _TRANSFER_LOG_LEN = 256  # entries kept for GET /debug/kv_transfers
-_LANDING_TIMEOUT_S = 10.0  # notify: P's write notice trails the router's KV-ready by ~ms
-_PUSH_GRACE_S = 2.0  # push: blocks of a cancelled wait stay out of the pool this long
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,15 @@ class EngineConfig:
     # A decode whose remote KV cannot be loaded: "recompute" the prompt here (vLLM's
     # default) or "fail" the request with a 502 so the caller sees the transfer failed.
     kv_load_failure_policy: str = "recompute"
+    # Notify-mode D: seconds to wait for P's landed notice once the decode leg is here (it
+    # trails the router's KV-ready by ~ms; a leg's push_deadline may end the wait sooner).
+    landing_timeout: float = 10.0
+    # Push-mode D: blocks of a cancelled push wait stay out of the pool this long (P may be
+    # writing into them right now; it was told to stop).
+    push_grace: float = 2.0
+    # POST /v1/kv/abort on D: an aborted reservation's blocks stay out of the pool this long
+    # when a WRITE into them may still land (`write_possible`).
+    reservation_abort_grace: float = 2.0
 
 
 class KVTransfer(Protocol):
@@ -157,6 +167,10 @@ class KVPush(Protocol):
         """Bytes received and the tokens P named in its landed notice."""
         ...
 
+    def fail_push(self, request_id: str, reason: str, detail: str) -> None:
+        """P: `request_id` will not be pushed; tell a D that registered for it."""
+        ...
+
 
 class Engine:
     """Owns model, tokenizer, KV cache and block pool; schedules requests (see module doc).
@@ -194,7 +208,8 @@ class Engine:
         self.connector: KVTransfer | None = None
         self.transfer_log: deque[dict[str, Any]] = deque(maxlen=_TRANSFER_LOG_LEN)
         self.scheduler = Scheduler(model, self.kv, self.pool, metrics, self._finish,
-                                   after_step=self._publish_kv_events)
+                                   after_step=self._publish_kv_events,
+                                   on_release=self._released)
         self.reservations = Reservations(config.reserve_seconds, self.free_blocks,
                                          on_gone=self._forget_landing)
         # Decode sequences admitted into reserved (notify) blocks -> the landing tag to await.
@@ -306,6 +321,13 @@ class Engine:
         Raises PromptTooLong (400), OutOfKVBlocks (503, no blocks within
         `admission_timeout`) or EngineStopped (503). The caller must close the returned
         stream (`async with`) on every path."""
+        try:
+            return await self._admit(req)
+        except (EngineError, asyncio.CancelledError) as e:
+            self._push_abandoned(req, f"not admitted: {type(e).__name__}: {e}")
+            raise
+
+    async def _admit(self, req: GenerateRequest) -> RequestStream:
         if not self.scheduler.running:
             raise EngineStopped("engine is not running")
         n = len(req.prompt_ids)
@@ -419,8 +441,12 @@ class Engine:
         tag = self._landing_for.pop(seq, None)
         if tag is None:
             return  # no reservation: recompute (counted in _claim_reservation)
+        timeout = self.config.landing_timeout
+        deadline = push_deadline(seq.req.remote)
+        if deadline is not None:  # the router's: it stops waiting for this leg then
+            timeout = max(0.0, min(timeout, deadline - time.time()))
         landed = isinstance(self.connector, KVPush) and await self.connector.await_landing(
-            tag, _LANDING_TIMEOUT_S) is not None
+            tag, timeout) is not None
         if not landed:
             log.warning("request %s: P's write notice for %s did not arrive; recomputing",
                         seq.req.request_id, tag)
@@ -442,7 +468,8 @@ class Engine:
             # P may be writing into these blocks right now (it was told to stop): keep them
             # out of the pool a little longer.
             blocks, seq.block_ids = seq.block_ids, []
-            asyncio.get_running_loop().call_later(_PUSH_GRACE_S, self.free_blocks, blocks)
+            asyncio.get_running_loop().call_later(self.config.push_grace, self.free_blocks,
+                                                  blocks)
             raise
         except Exception as e:
             log.warning("request %s: KV push failed (%s: %s); recomputing the prompt",
@@ -548,10 +575,29 @@ class Engine:
     def _finish(self, seq: Sequence, final: StepOutput) -> StepOutput:
         """Scheduler hook: a prefill that ran to its length cap hands its prompt's blocks to
         the connector (vLLM: an early stop sends no params and D recomputes)."""
-        if seq.req.role is not KVRole.PREFILL or seq.finish_reason != "length":
+        if seq.req.role is not KVRole.PREFILL:
             return final
-        params = self._hand_over(seq)
-        return final if params is None else dataclasses.replace(final, kv_transfer_params=params)
+        params = self._hand_over(seq) if seq.finish_reason == "length" else None
+        if params is None:
+            self._push_abandoned(seq.req, f"prefill ended ({seq.finish_reason}) without "
+                                 "handing its KV over")
+            return final
+        return dataclasses.replace(final, kv_transfer_params=params)
+
+    def _released(self, seq: Sequence, status: str) -> None:
+        """Scheduler hook: a sequence's blocks went back to the pool. A push-mode prefill
+        that did not finish ("aborted": cancelled, "error": the model failed) will push
+        nothing."""
+        if status != "ok":
+            self._push_abandoned(seq.req, f"prefill {status}")
+
+    def _push_abandoned(self, req: GenerateRequest, detail: str) -> None:
+        """A push-mode prefill leg will never hand its KV over: have the connector tell the
+        decode engine that registered for it (else D waits for its transfer timeout)."""
+        if req.role is not KVRole.PREFILL or mode_of(req.remote) != "push":
+            return
+        if isinstance(self.connector, KVPush):
+            self.connector.fail_push(req.request_id, "prefill", detail)
 
     def _hand_over(self, seq: Sequence) -> dict[str, Any] | None:
         """Give the prompt's blocks to the connector's lease; the params for the reply."""

@@ -8,6 +8,7 @@ msgpack frame `Envelope{v, notice}` whose `notice` is a tagged struct (`kind`):
     reg      D -> P     push: write the prompt into my blocks  `Registration`
     unreg    D -> P     push: D gave up; never write for it    request id
     landed   P -> D     notify/push: P's WRITE landed          tag, P's sampled token(s)
+    failed   P -> D     notify/push: that WRITE will not land  tag, reason word, detail
 
 Ids are string fields, never prefixes or separators in a text line, so a request id may hold
 anything (`pdgate:...`, `:`, newlines, non-ASCII) without one kind being read as another.
@@ -21,6 +22,9 @@ Version history (NOTICE_VERSION):
   1: typed notices replace the text formats `pdgate:reg:<msgpack>`, `pdgate:unreg:<id>`,
      `pdgate:landed:<tag>[\\n<ids>]` and vLLM's `<remote_request_id>:<tp_size>` "done" text
      (SIDE_CHANNEL_VERSION 2 advertises it: peers of another format refuse to pair).
+  2: `failed{tag, reason, detail}` (P -> D): P will not WRITE (or its WRITE failed) for a
+     landing D waits for, so D fails or recomputes at once instead of at its timeout. A v1
+     peer would drop it as malformed and stall, so SIDE_CHANNEL_VERSION 3 advertises it.
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from typing import Annotated, TypeVar
 import msgspec
 
 __all__ = [
+    "FAILURE_REASONS",
     "MAX_NOTICE_BYTES",
     "NOTICE_VERSION",
+    "Failed",
     "Landed",
     "Notice",
     "NoticeError",
@@ -40,14 +46,31 @@ __all__ = [
     "Unregistration",
     "decode_notice",
     "encode_notice",
+    "failed",
 ]
 
-NOTICE_VERSION = 1
+NOTICE_VERSION = 2
 # Bound on one frame, checked before any decoding. A registration names one block id per
 # prompt block (<= 5 msgpack bytes each): 1 MiB fits ~200k blocks, far above a real prompt.
 MAX_NOTICE_BYTES = 1 << 20
 T = TypeVar("T")
 _MAX_FIRST_TOKENS = 1024  # P samples one token; a few more leave room for speculative runs
+# `Failed.reason` words a sender uses today. A receiver accepts any short word (a newer
+# sender may add one) and labels metrics with "other" for words it does not know.
+FAILURE_REASONS = frozenset({
+    "transfer",   # the WRITE (or its preparation) failed
+    "timeout",    # the WRITE timed out, or its deadline passed before it could start
+    "params",     # D's blocks cannot hold P's prompt (sizes differ, ids out of range)
+    "handshake",  # P could not reach D's side channel
+    "aborted",    # the router aborted the request on P (POST /v1/kv/abort)
+    "prefill",    # P's prefill failed, was cancelled or stopped before handing its KV over
+    "expired",    # P's prompt or D's registration outlived P's TTL (--kv-lease-seconds)
+    "duplicate",  # another D registered for this request id first
+    "full",       # P holds too many registrations already
+    "shutdown",   # P is shutting down
+})
+_MAX_REASON_CHARS = 32
+_MAX_DETAIL_CHARS = 512
 
 BlockId = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 Port = Annotated[int, msgspec.Meta(gt=0, lt=65536)]
@@ -91,7 +114,23 @@ class Landed(_Notice, tag="landed", frozen=True):
     first_token_ids: Annotated[list[TokenId], msgspec.Meta(max_length=_MAX_FIRST_TOKENS)] = []
 
 
-Notice = ReadDone | Registration | Unregistration | Landed
+class Failed(_Notice, tag="failed", frozen=True):
+    """P -> D (notify/push): the WRITE tagged `tag` will not land (P gave up, aborted, or
+    the WRITE failed); D stops waiting at once. `reason`: one word (FAILURE_REASONS), a
+    metric label; `detail`: free text for D's log."""
+
+    tag: str
+    reason: Annotated[str, msgspec.Meta(max_length=_MAX_REASON_CHARS)]
+    detail: Annotated[str, msgspec.Meta(max_length=_MAX_DETAIL_CHARS)] = ""
+
+
+Notice = ReadDone | Registration | Unregistration | Landed | Failed
+
+
+def failed(tag: str, reason: str, detail: str = "") -> Failed:
+    """A `Failed` whose reason and detail fit the receiver's bounds (cut, never refused)."""
+    return Failed(tag=tag, reason=reason[:_MAX_REASON_CHARS],
+                  detail=detail[:_MAX_DETAIL_CHARS])
 
 
 class Envelope(msgspec.Struct, frozen=True):

@@ -10,6 +10,7 @@ set of prefill blocks is never shared by several decode children).
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, TypeVar
 
@@ -331,6 +332,9 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     # Push decode leg: continue after the token(s) P names in its landed notice (the router
     # streams them from P's reply), or fail; no chat role delta either way.
     continue_after_prefill: bool = False
+    # Push/notify decode leg: wall-clock time (seconds since the epoch) at which D stops
+    # waiting for P's landing (fail or recompute per policy). Unused by pull legs.
+    push_deadline: float | None = None
 
 
 # What a decode leg must name, per flow: pull reads P's blocks; push registers D's own blocks
@@ -359,6 +363,10 @@ def kv_transfer_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
             "kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive",
             param="kv_transfer_params",
         )
+    deadline = params.push_deadline
+    if deadline is not None and not (math.isfinite(deadline) and deadline >= 0):
+        raise RequestError("kv_transfer_params.push_deadline must be a finite time >= 0 "
+                           "(seconds since the epoch)", param="kv_transfer_params.push_deadline")
     if params.do_remote_prefill:
         required = _DECODE_REQUIRES.get(params.pdgate_mode)
         if required is None:

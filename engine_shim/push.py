@@ -14,8 +14,12 @@ Two flows put a `WriteTarget` (where in D the KV goes) next to P's finished bloc
 
 When the WRITE lands, P's NIXL notification (a `notices.Landed`) reaches D after the data; it
 names the token(s) P sampled, so a push-mode D asked to `continue_after_prefill` can go on
-after them (the router streamed them to the client from P's reply). Every notification's
-encoding lives in `engine_shim/notices.py`.
+after them (the router streamed them to the client from P's reply). When P knows the
+WRITE will not land (it failed, the router aborted the request on P, P's prefill failed or
+stopped early, a registration or prompt expired, a duplicate registration, shutdown), it
+sends D a `notices.Failed` with the same tag instead, and D fails or recomputes at once
+(`--kv-load-failure-policy`) rather than at its timeout. Every notification's encoding
+lives in `engine_shim/notices.py`.
 
 kv_transfer_params keys (the router writes them; vLLM ignores unknown keys):
     pdgate_mode        "notify" | "push" (absent: vLLM pull)
@@ -34,6 +38,10 @@ kv_transfer_params keys (the router writes them; vLLM ignores unknown keys):
                        transfer, when D must recompute the prompt)
     continue_after_prefill  push D leg: continue after the token(s) P's landed notice names
                        (the router streamed them from P's reply), or fail the stream
+    push_deadline      push/notify D leg: wall-clock time (time.time()) at which D stops
+                       waiting for the landing (then fails or recomputes, per policy);
+                       absent: D waits --kv-transfer-timeout (push) / --kv-landing-timeout
+                       (notify)
 """
 
 from __future__ import annotations
@@ -122,6 +130,12 @@ def _opt_float(params: Mapping[str, object], key: str) -> float | None:
     return float(value)
 
 
+def push_deadline(params: Mapping[str, object] | None) -> float | None:
+    """The decode leg's `push_deadline` (wall clock), None when absent. openai_types
+    checked it at the edge (a finite number)."""
+    return _opt_float(params, "push_deadline") if params else None
+
+
 def registration_target(reg: Registration, params: Mapping[str, object] | None) -> WriteTarget:
     """The target of a push registration; P's own request params may name a proxy."""
     p = params or {}
@@ -149,6 +163,17 @@ class _Reg:
     expires_at: float
 
 
+@dataclass
+class _Closed:
+    """A request id P will not (again) write for: `reason` (a `notices.FAILURE_REASONS`
+    word) answers a registration that comes late. `served`: the agent whose registration
+    was matched, whose own resends are ignored rather than refused."""
+
+    reason: str
+    served: str | None
+    expires_at: float
+
+
 @dataclass(frozen=True)
 class Match:
     """P's finished blocks and D's registration for one request: write now."""
@@ -160,14 +185,47 @@ class Match:
     first_token_ids: tuple[int, ...] = ()  # what P sampled: named in the landed notice
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """A registration P will never write for: tell `target` at once (`notices.Failed`
+    tagged `target.tag`) so that D stops waiting. `reason`: a FAILURE_REASONS word."""
+
+    request_id: str
+    target: WriteTarget
+    reason: str
+    detail: str
+
+
+@dataclass(frozen=True)
+class Expired:
+    """What `PendingPushes.expire` dropped: prompts whose blocks the caller frees (request
+    id, blocks) and registrations whose D the caller tells."""
+
+    blocks: list[tuple[str, tuple[int, ...]]]
+    refusals: list[Refusal]
+
+
 class PendingPushes:
     """P side of push mode: finished prompts waiting for D's registration and registrations
     waiting for the prompt, keyed by request id. Thread-safe (blocks are offered on the event
     loop, registrations arrive on the agent thread).
 
-    Both sides expire after `ttl` seconds; `max_entries` bounds each side (the oldest
-    registration is dropped; an offer beyond the cap is refused so the caller frees the
-    blocks). Expired and aborted blocks are returned for the caller to free."""
+    Both sides expire after `ttl` seconds; `max_entries` bounds each side (an offer or a
+    registration beyond the cap is refused: the caller frees the blocks / tells that D).
+    Expired and aborted blocks are returned for the caller to free.
+
+    Every registration gets exactly one answer, and none is lost or overwritten: a `Match`
+    (write), a `Refusal` (tell D now), or None (kept until the prompt is done; expiry,
+    `abort` and `pop_all` return it as a Refusal later). Request ids P will not write for
+    (aborted, given up, expired, or already matched) are remembered for `ttl` ("closed"),
+    so a registration arriving after that is refused at once instead of waiting out the
+    TTL; a new `offer` for the id (a fresh prefill) reopens it.
+
+    Duplicate registrations (same request id): the first one stands. A second from the
+    same agent is ignored (a resend: answering it would wake the first's wait, which D
+    keys by request id too); one from another agent is refused ("duplicate"), so a peer
+    can neither take over nor cancel a write registered by another D. For the same reason
+    `unregister` only drops a registration of the agent that asks."""
 
     def __init__(self, ttl: float, max_entries: int = 4096,
                  clock: Callable[[], float] = time.monotonic) -> None:
@@ -176,16 +234,20 @@ class PendingPushes:
         self._clock = clock
         self._blocks: OrderedDict[str, _Blocks] = OrderedDict()
         self._regs: OrderedDict[str, _Reg] = OrderedDict()
+        self._closed: OrderedDict[str, _Closed] = OrderedDict()
         self._lock = threading.Lock()
 
     def offer(self, request_id: str, block_ids: list[int], num_tokens: int,
               params: Mapping[str, object] | None,
               first_token_ids: tuple[int, ...] = ()) -> Match | None:
         """P's prompt is done: the Match if D already registered, else keep the blocks.
-        Raises KVTransferError when the table is full (the caller keeps the blocks)."""
+        Raises KVTransferError when the table is full or holds this id's prompt already
+        (the caller keeps the blocks)."""
         with self._lock:
+            self._closed.pop(request_id, None)  # a fresh prefill for this id
             reg = self._regs.pop(request_id, None)
             if reg is not None:
+                self._close(request_id, "duplicate", reg.reg.agent_name)
                 return Match(request_id, tuple(block_ids), num_tokens,
                              registration_target(reg.reg, params), first_token_ids)
             if len(self._blocks) >= self._max or request_id in self._blocks:
@@ -194,51 +256,89 @@ class PendingPushes:
                                                self._clock() + self._ttl, first_token_ids)
             return None
 
-    def register(self, reg: Registration) -> Match | None:
-        """D registered: the Match if P's prompt is done, else keep the registration."""
+    def register(self, reg: Registration) -> Match | Refusal | None:
+        """D registered: the Match if P's prompt is done, a Refusal if P will not write for
+        it (see the class docstring), else None (kept)."""
+        rid = reg.request_id
         with self._lock:
-            held = self._blocks.pop(reg.request_id, None)
+            closed = self._closed.get(rid)
+            if closed is not None:
+                if closed.served == reg.agent_name:
+                    return None  # a resend of the registration already served
+                return _refusal(reg, closed.reason, "the prefill engine will not write "
+                                f"for this request ({closed.reason})")
+            pending = self._regs.get(rid)
+            if pending is not None:
+                if pending.reg.agent_name == reg.agent_name:
+                    return None
+                return _refusal(reg, "duplicate", "another decode engine registered first")
+            held = self._blocks.pop(rid, None)
             if held is not None:
-                return Match(reg.request_id, held.block_ids, held.num_tokens,
+                self._close(rid, "duplicate", reg.agent_name)
+                return Match(rid, held.block_ids, held.num_tokens,
                              registration_target(reg, held.params), held.first_token_ids)
-            self._regs[reg.request_id] = _Reg(reg, self._clock() + self._ttl)
-            self._regs.move_to_end(reg.request_id)
-            while len(self._regs) > self._max:
-                self._regs.popitem(last=False)
+            if len(self._regs) >= self._max:
+                return _refusal(reg, "full", "too many registrations waiting for prompts")
+            self._regs[rid] = _Reg(reg, self._clock() + self._ttl)
             return None
 
-    def unregister(self, request_id: str) -> None:
-        """D gave up (timeout, cancelled): never write for it."""
+    def unregister(self, request_id: str, agent_name: str) -> None:
+        """D (agent `agent_name`) gave up (timeout, cancelled): never write for it. Only
+        that agent's own registration is dropped."""
         with self._lock:
-            self._regs.pop(request_id, None)
+            pending = self._regs.get(request_id)
+            if pending is not None and pending.reg.agent_name == agent_name:
+                del self._regs[request_id]
 
-    def abort(self, request_id: str) -> tuple[int, ...]:
-        """Drop everything of `request_id`; returns blocks the caller must free."""
+    def abort(self, request_id: str, reason: str = "aborted",
+              detail: str = "") -> tuple[tuple[int, ...], Refusal | None]:
+        """P will not write for `request_id` (router abort, failed prefill): drop its prompt
+        and registration and close the id. Returns the blocks the caller must free and the
+        registration whose D the caller must tell (if one was waiting)."""
         with self._lock:
-            self._regs.pop(request_id, None)
+            pending = self._regs.pop(request_id, None)
             held = self._blocks.pop(request_id, None)
-            return held.block_ids if held else ()
+            if request_id not in self._closed:  # keep who was served: resends stay quiet
+                self._close(request_id, reason, None)
+        refusal = None if pending is None else _refusal(pending.reg, reason, detail)
+        return (held.block_ids if held else ()), refusal
 
-    def expire(self) -> list[tuple[str, tuple[int, ...]]]:
-        """Drop what outlived the TTL; returns (request id, blocks to free) of expired
-        prompts. Both maps are in insertion (= expiry) order."""
+    def expire(self) -> Expired:
+        """Drop what outlived the TTL: prompts (their blocks for the caller to free; the id
+        is closed so a late registration is refused) and registrations (to refuse). Every
+        map is in insertion (= expiry) order."""
         now = self._clock()
-        out: list[tuple[str, tuple[int, ...]]] = []
+        out = Expired([], [])
         with self._lock:
             while self._regs and next(iter(self._regs.values())).expires_at <= now:
-                self._regs.popitem(last=False)
+                _, r = self._regs.popitem(last=False)
+                out.refusals.append(_refusal(r.reg, "expired", "the prefill engine's "
+                                             "prompt did not come within its TTL"))
             while self._blocks and next(iter(self._blocks.values())).expires_at <= now:
                 rid, held = self._blocks.popitem(last=False)
-                out.append((rid, held.block_ids))
+                out.blocks.append((rid, held.block_ids))
+                self._close(rid, "expired", None)
+            while self._closed and next(iter(self._closed.values())).expires_at <= now:
+                self._closed.popitem(last=False)
         return out
 
-    def pop_all(self) -> tuple[int, ...]:
-        """Everything held (shutdown); returns blocks to free."""
+    def pop_all(self) -> tuple[tuple[int, ...], list[Refusal]]:
+        """Everything held (shutdown): blocks to free and registrations to refuse."""
         with self._lock:
             blocks = tuple(b for h in self._blocks.values() for b in h.block_ids)
+            refusals = [_refusal(r.reg, "shutdown", "the prefill engine is shutting down")
+                        for r in self._regs.values()]
             self._blocks.clear()
             self._regs.clear()
-            return blocks
+            self._closed.clear()
+            return blocks, refusals
+
+    def _close(self, request_id: str, reason: str, served: str | None) -> None:
+        """Lock held. Remember `request_id` as closed (bounded: the oldest is forgotten)."""
+        self._closed[request_id] = _Closed(reason, served, self._clock() + self._ttl)
+        self._closed.move_to_end(request_id)
+        while len(self._closed) > self._max:
+            self._closed.popitem(last=False)
 
     @property
     def blocks(self) -> int:
@@ -247,5 +347,10 @@ class PendingPushes:
             return sum(len(h.block_ids) for h in self._blocks.values())
 
     def __len__(self) -> int:
+        """Prompts and registrations waiting (closed ids are not counted)."""
         with self._lock:
             return len(self._blocks) + len(self._regs)
+
+
+def _refusal(reg: Registration, reason: str, detail: str) -> Refusal:
+    return Refusal(reg.request_id, registration_target(reg, None), reason, detail)

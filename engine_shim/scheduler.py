@@ -55,6 +55,7 @@ class Scheduler:
     def __init__(
         self, model: LlamaModel, kv: PagedKVCache, pool: BlockPool, metrics: ShimMetrics,
         on_finish: FinishHook, after_step: Callable[[], None] | None = None,
+        on_release: Callable[[Sequence, str], None] | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -63,6 +64,7 @@ class Scheduler:
         self.block_size = kv.layout.block_size
         self._on_finish = on_finish
         self._after_step = after_step
+        self._on_release = on_release
         # Sequences that may reuse cached prefix blocks (prefix_cache.py): colocated and
         # prefill requests; never one whose blocks a remote engine writes or we pull into.
         self._prefix_ok: weakref.WeakSet[Sequence] = weakref.WeakSet()
@@ -166,7 +168,8 @@ class Scheduler:
             self.release(seq, "aborted")
 
     def release(self, seq: Sequence, status: str) -> None:
-        """Free the sequence's blocks (exactly once) and count the request."""
+        """Free the sequence's blocks (exactly once), count the request and tell the
+        `on_release(seq, status)` hook ("ok", "aborted" or "error")."""
         if seq.block_ids:
             self.pool.free(seq.block_ids)
             seq.block_ids = []
@@ -174,6 +177,8 @@ class Scheduler:
         if seq.finish_reason is None:
             seq.finish_reason = "abort"
         self.metrics.requests.labels(role=seq.req.role.value, status=status).inc()
+        if self._on_release is not None:
+            self._on_release(seq, status)
 
     # ---- the loop ----
 

@@ -43,7 +43,6 @@ from engine_shim.sequence import GenerateRequest, KVRole, StepOutput
 log = logging.getLogger(__name__)
 
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI / vLLM legacy-completions default
-_RESERVATION_ABORT_GRACE_S = 2.0  # an aborted reservation's blocks wait for a landing WRITE
 
 
 class ManagedConnector(KVTransfer, Protocol):
@@ -177,7 +176,8 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
             raise ot.RequestError("this engine has no KV connector", status=404,
                                   error_type="NotFoundError")
         engine.connector.abort(body.request_id)
-        grace = _RESERVATION_ABORT_GRACE_S if body.write_possible else 0.0
+        # A WRITE into the reservation may still land: its blocks wait out the grace.
+        grace = engine.config.reservation_abort_grace if body.write_possible else 0.0
         engine.reservations.release(body.request_id, grace=grace)
         return _json({"request_id": body.request_id})
 

@@ -20,6 +20,8 @@ Version history (SIDE_CHANNEL_VERSION):
      layout (KVLayout), model_name, compat_hash.
   2: same handshake; the engines' NIXL notifications are typed `engine_shim.notices` frames
      (NOTICE_VERSION 1) instead of text, so a v1 peer (text notices) must not pair with us.
+  3: same handshake; NOTICE_VERSION 2 (P's `failed` notice): a v2 peer would drop every
+     notice of ours as another version, so it must not pair with us either.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ import zmq
 from engine_shim.kv_layout import KVLayout
 from engine_shim.transfer_errors import KVConnectorError, KVHandshakeError
 
-SIDE_CHANNEL_VERSION = 2
+SIDE_CHANNEL_VERSION = 3
 MAX_REQUEST_BYTES = 4096  # a HandshakeRequest is a version and an engine id: ~50 bytes
 MAX_REPLY_BYTES = 16 << 20  # a payload is mostly NIXL agent metadata (KiBs)
 _ZMQ_MAX_FRAME = 1 << 20  # the server's socket disconnects a peer sending a bigger frame

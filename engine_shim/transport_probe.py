@@ -168,12 +168,14 @@ def _run_probe(mem_type: MemType, device_id: int, name: str, nbytes: int, iters:
 
 
 def probe_transport(mem_type: MemType, device_id: int, metrics: ShimMetrics | None, *,
-                    name: str = "probe", min_gbps: float | None = None) -> ProbeResult | None:
+                    name: str = "probe", min_gbps: float | None = None,
+                    timeout: float = 10.0) -> ProbeResult | None:
     """`run_probe`, then log the figures (a loud warning when one looks emulated) and set
     the probe gauges. Never raises; returns None when the probe itself failed. Blocking
     (~50 ms on a healthy GPU, up to `timeout` on a broken path): call at start-up."""
     try:
-        result = run_probe(mem_type, device_id, name=name, min_gbps=min_gbps)
+        result = run_probe(mem_type, device_id, name=name, min_gbps=min_gbps,
+                           timeout=timeout)
     except Exception as e:  # a probe must never keep the engine from starting
         log.warning("KV transport probe failed (%s: %s); transfer speed unknown",
                     type(e).__name__, e)

@@ -20,6 +20,7 @@ from engine_shim.metrics import ShimMetrics
 from engine_shim.notices import (
     MAX_NOTICE_BYTES,
     NOTICE_VERSION,
+    Failed,
     Landed,
     Notice,
     NoticeError,
@@ -28,6 +29,7 @@ from engine_shim.notices import (
     Unregistration,
     decode_notice,
     encode_notice,
+    failed,
 )
 
 HOSTILE_IDS = ["pdgate:reg:x", "pdgate:landed:req-1", "pdgate:unreg:", "a:b:1", "line\nbreak",
@@ -39,6 +41,7 @@ def test_every_kind_round_trips_and_stays_its_kind(rid: str) -> None:
     notices: list[Notice] = [
         ReadDone(lease_id=rid), Unregistration(request_id=rid),
         Landed(tag=rid, first_token_ids=[17, 4]), Landed(tag=rid),
+        Failed(tag=rid, reason="transfer", detail="x" * 512), Failed(tag=rid, reason="aborted"),
         Registration(request_id=rid, engine_id="d", host="127.0.0.1", port=5600,
                      agent_name="d-1", block_ids=[3, 1, 2], num_tokens=10),
     ]
@@ -71,6 +74,14 @@ BAD_FRAMES = {
         "agent_name": "a", "block_ids": [1], "num_tokens": 1}), "malformed"),
     "newer-version": (_frame(NOTICE_VERSION + 1, {"kind": "done", "lease_id": "r"}),
                       "bad_version"),
+    "v1-frame": (_frame(1, {"kind": "done", "lease_id": "r"}), "bad_version"),
+    "failed-without-reason": (_frame(NOTICE_VERSION, {"kind": "failed", "tag": "r"}),
+                              "malformed"),
+    "failed-reason-too-long": (_frame(NOTICE_VERSION, {
+        "kind": "failed", "tag": "r", "reason": "x" * 33}), "malformed"),
+    "failed-detail-too-long": (_frame(NOTICE_VERSION, {
+        "kind": "failed", "tag": "r", "reason": "transfer", "detail": "x" * 513}),
+        "malformed"),
     "oversized": (b"\x00" * (MAX_NOTICE_BYTES + 1), "oversized"),
 }
 
@@ -86,6 +97,12 @@ def test_anything_else_is_a_notice_error_with_a_reason(name: str) -> None:
 def test_a_notice_no_peer_would_accept_is_refused_when_encoding() -> None:
     with pytest.raises(NoticeError, match="oversized"):
         encode_notice(ReadDone(lease_id="x" * MAX_NOTICE_BYTES))
+
+
+def test_failed_cuts_its_reason_and_detail_to_what_peers_accept() -> None:
+    notice = failed("r", "a-reason-word-far-longer-than-a-label", "why " * 1000)
+    assert decode_notice(encode_notice(notice)) == notice
+    assert len(notice.reason) == 32 and len(notice.detail) == 512
 
 
 LAYOUT = KVLayout(num_layers=2, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=16)
@@ -113,8 +130,9 @@ def test_connector_counts_bad_notices_and_still_frees_leases_named_like_notices(
         conn._on_notice("d-agent", junk)
     conn._on_notice("d-agent", encode_notice(ReadDone(lease_id=str(params["remote_request_id"]))))
     assert freed == [1, 2, 3] and conn.leased_blocks() == 0
-    assert _errors(metrics, "malformed") == 11
-    assert _errors(metrics, "bad_version") == 1 and _errors(metrics, "oversized") == 1
+    expected = [reason for _, reason in BAD_FRAMES.values()]
+    for reason in ("malformed", "bad_version", "oversized"):
+        assert _errors(metrics, reason) == expected.count(reason)
 
 
 def test_a_registration_must_come_from_the_agent_it_names() -> None:

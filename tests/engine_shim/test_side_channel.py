@@ -106,8 +106,11 @@ def test_hostile_replies_are_handshake_errors() -> None:
         decode_reply(b"\x00" * (MAX_REPLY_BYTES + 1))
 
 
-def test_a_v1_peer_gets_a_version_error() -> None:
-    """v2 changed the NIXL notification format: v1 and v2 engines must not pair."""
-    old = msgspec.msgpack.encode(Envelope(v=1, payload=b""))
-    with pytest.raises(KVHandshakeError, match="version mismatch: local 2, remote 1"):
+@pytest.mark.parametrize("old_version", [1, 2])
+def test_an_older_peer_gets_a_version_error(old_version: int) -> None:
+    """v2 changed the NIXL notification format, v3 added P's `failed` notice (NOTICE_VERSION
+    2): engines of different versions must not pair."""
+    old = msgspec.msgpack.encode(Envelope(v=old_version, payload=b""))
+    with pytest.raises(KVHandshakeError,
+                       match=f"version mismatch: local 3, remote {old_version}"):
         decode_reply(old)

@@ -1,0 +1,357 @@
+"""`PendingPushes` (engine_shim/push.py): P's table of finished prompts and D's registrations.
+
+Every registration gets exactly one answer: a `Match` (P writes), a `Refusal` (P tells that D
+at once with a `failed` notice) or None (kept until the prompt comes; expiry, abort and
+shutdown turn it into a Refusal later). Both orderings of "P finished" and "D registered"
+match; either side expires after the TTL; request ids P will not write for are remembered
+("closed") so a late registration is refused at once; the first registration for a request
+id stands: a resend from its agent is ignored, one from another agent is refused, and only
+the registering agent can unregister it.
+
+The connector side (no transfers: P's `failed` notices are recorded, not sent): P tells the
+registered D when the router aborts or the prefill fails, a registration after an abort or
+from a second agent is answered at once, and a D waiting for a landing stops at P's
+`failed` notice (a stray one, for a landing nobody awaits, is dropped). Over real NIXL:
+tests/engine_shim/test_push_failures.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+import pytest
+from prometheus_client import CollectorRegistry
+
+from engine_shim.connector import KVConnector
+from engine_shim.kv_cache import PagedKVCache
+from engine_shim.kv_layout import KVLayout
+from engine_shim.metrics import ShimMetrics
+from engine_shim.notices import (
+    FAILURE_REASONS,
+    NOTICE_VERSION,
+    Landed,
+    Registration,
+    Unregistration,
+    encode_notice,
+    failed,
+)
+from engine_shim.push import Expired, Match, PendingPushes, Refusal, WriteTarget
+from engine_shim.transfer_errors import KVTransferError
+
+TTL = 10.0
+PARAMS = {"notify_endpoint": "tcp://127.0.0.1:1", "notify_request_id": "n-1",
+          "notify_token": "tok"}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _reg(rid: str = "r", agent: str = "d-1", blocks: tuple[int, ...] = (7, 8)) -> Registration:
+    return Registration(request_id=rid, engine_id="d-" + agent, host="127.0.0.1", port=5600,
+                        agent_name=agent, block_ids=list(blocks), num_tokens=6)
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def table(clock: Clock) -> PendingPushes:
+    return PendingPushes(TTL, max_entries=4, clock=clock)
+
+
+def _match(answer: Match | Refusal | None) -> Match:
+    assert isinstance(answer, Match), answer
+    return answer
+
+
+def _refusal(answer: Match | Refusal | None, reason: str) -> Refusal:
+    assert isinstance(answer, Refusal), answer
+    assert answer.reason == reason and reason in FAILURE_REASONS
+    assert answer.target.tag == answer.request_id  # D's landing is keyed by request id
+    return answer
+
+
+def test_prompt_first_then_registration_matches(table: PendingPushes) -> None:
+    assert table.offer("r", [1, 2], 6, PARAMS, (42,)) is None
+    assert table.blocks == 2 and len(table) == 1
+    m = _match(table.register(_reg()))
+    assert (m.request_id, m.block_ids, m.num_tokens, m.first_token_ids) == ("r", (1, 2), 6,
+                                                                             (42,))
+    assert m.target.block_ids == (7, 8) and m.target.agent_name == "d-1"
+    assert m.target.notify_token == "tok"  # P's own params name the router's proxy
+    assert table.blocks == 0 and len(table) == 0
+
+
+def test_registration_first_then_prompt_matches(table: PendingPushes) -> None:
+    assert table.register(_reg()) is None
+    assert len(table) == 1 and table.blocks == 0
+    m = _match(table.offer("r", [1, 2], 6, PARAMS, (42,)))
+    assert m.block_ids == (1, 2) and m.target.block_ids == (7, 8)
+    assert m.first_token_ids == (42,) and m.target.notify_request_id == "n-1"
+    assert len(table) == 0
+
+
+def test_prompt_expires_its_blocks_are_returned_and_a_late_registration_refused(
+        table: PendingPushes, clock: Clock) -> None:
+    table.offer("r", [1, 2], 6, None)
+    clock.now += TTL - 0.1
+    assert table.expire() == Expired([], [])
+    clock.now += 0.1
+    assert table.expire() == Expired([("r", (1, 2))], [])
+    assert table.blocks == 0
+    _refusal(table.register(_reg()), "expired")  # at once, not after D's timeout
+
+
+def test_registration_expires_into_a_refusal(table: PendingPushes, clock: Clock) -> None:
+    table.register(_reg("a", "d-1"))
+    clock.now += 1
+    table.register(_reg("b", "d-2"))
+    clock.now += TTL - 1
+    out = table.expire()
+    assert out.blocks == [] and [r.request_id for r in out.refusals] == ["a"]
+    assert _refusal(out.refusals[0], "expired").target.agent_name == "d-1"
+    clock.now += 1
+    assert [r.request_id for r in table.expire().refusals] == ["b"]
+    assert len(table) == 0
+    assert table.offer("a", [1], 6, None) is None  # nobody is registered any more
+
+
+def test_closed_ids_are_forgotten_after_the_ttl(table: PendingPushes, clock: Clock) -> None:
+    table.abort("r")
+    _refusal(table.register(_reg()), "aborted")
+    clock.now += TTL
+    table.expire()
+    assert table.register(_reg()) is None  # kept again: the abort is long past
+
+
+def test_unregister_drops_only_the_registering_agents_entry(table: PendingPushes) -> None:
+    table.register(_reg("r", "d-1"))
+    table.unregister("r", "someone-else")  # another peer cannot cancel D's registration
+    assert len(table) == 1
+    table.unregister("r", "d-1")
+    assert len(table) == 0
+    assert table.offer("r", [1], 6, None) is None  # held: D's registration is gone
+    table.unregister("nobody", "d-1")  # unknown ids are a no-op
+
+
+def test_a_second_registration_from_another_agent_is_refused_and_the_first_stands(
+        table: PendingPushes) -> None:
+    assert table.register(_reg("r", "d-1", (7, 8))) is None
+    dup = _refusal(table.register(_reg("r", "d-2", (5, 6))), "duplicate")
+    assert dup.target.agent_name == "d-2"  # only the newcomer is told
+    m = _match(table.offer("r", [1, 2], 6, None))
+    assert m.target.agent_name == "d-1" and m.target.block_ids == (7, 8)
+
+
+def test_a_resend_from_the_same_agent_is_ignored(table: PendingPushes) -> None:
+    """Answering it would fail the first registration's wait: D keys landings by id."""
+    table.register(_reg("r", "d-1", (7, 8)))
+    assert table.register(_reg("r", "d-1", (9, 9))) is None
+    assert _match(table.offer("r", [1, 2], 6, None)).target.block_ids == (7, 8)
+
+
+def test_registrations_after_a_match_are_refused_or_ignored(table: PendingPushes) -> None:
+    table.offer("r", [1, 2], 6, None)
+    _match(table.register(_reg("r", "d-1")))
+    assert table.register(_reg("r", "d-1")) is None  # the served agent: a resend
+    _refusal(table.register(_reg("r", "d-2")), "duplicate")
+    assert len(table) == 0  # neither is kept waiting for a prompt that will not come
+
+
+def test_abort_returns_the_blocks_and_the_waiting_registration(table: PendingPushes) -> None:
+    table.offer("p", [1, 2, 3], 6, None)
+    assert table.abort("p") == ((1, 2, 3), None)
+    table.register(_reg("r"))
+    blocks, refusal = table.abort("r", "prefill", "prefill error")
+    assert blocks == ()
+    assert _refusal(refusal, "prefill").detail == "prefill error"
+    assert len(table) == 0 and table.blocks == 0
+
+
+def test_a_registration_after_an_abort_is_refused_at_once(table: PendingPushes) -> None:
+    table.abort("r")  # the router aborted P before D's registration arrived
+    _refusal(table.register(_reg()), "aborted")
+    _refusal(table.register(_reg(agent="d-2")), "aborted")
+    assert len(table) == 0
+
+
+def test_a_fresh_prefill_reopens_a_closed_id(table: PendingPushes) -> None:
+    table.abort("r")
+    assert table.offer("r", [1], 6, None) is None
+    _match(table.register(_reg()))
+
+
+def test_abort_keeps_who_was_served(table: PendingPushes) -> None:
+    table.offer("r", [1], 6, None)
+    _match(table.register(_reg("r", "d-1")))
+    table.abort("r")  # the write is in flight: its D must not be told otherwise
+    assert table.register(_reg("r", "d-1")) is None
+
+
+def test_full_tables_refuse_new_entries_without_dropping_old_ones(
+        table: PendingPushes) -> None:
+    for i in range(4):
+        assert table.register(_reg(f"r{i}", "d-1")) is None
+    _refusal(table.register(_reg("r4", "d-1")), "full")
+    _match(table.offer("r0", [1], 6, None))  # the oldest was kept
+    for i in range(4):
+        table.offer(f"p{i}", [i], 6, None)
+    with pytest.raises(KVTransferError, match="too many"):
+        table.offer("p4", [9], 6, None)
+    with pytest.raises(KVTransferError):
+        table.offer("p0", [9], 6, None)  # the same prompt offered twice
+
+
+def test_closed_ids_are_bounded(table: PendingPushes) -> None:
+    for i in range(10):
+        table.abort(f"r{i}")
+    assert table.register(_reg("r0")) is None  # forgotten (oldest first)
+    _refusal(table.register(_reg("r9")), "aborted")
+
+
+def test_pop_all_returns_every_block_and_refuses_every_registration(
+        table: PendingPushes) -> None:
+    table.offer("p", [1, 2], 6, None)
+    table.register(_reg("a", "d-1"))
+    table.register(_reg("b", "d-2"))
+    blocks, refusals = table.pop_all()
+    assert blocks == (1, 2)
+    assert sorted(_refusal(r, "shutdown").request_id for r in refusals) == ["a", "b"]
+    assert len(table) == 0 and table.blocks == 0
+
+
+# -- the connector: who gets a `failed` notice, and what D does with one ----------------------
+
+LAYOUT = KVLayout(num_layers=2, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=16)
+Told = list[tuple[str, str, str]]  # (tag, reason, D's agent) of each failed notice sent
+
+
+def _connector(monkeypatch: pytest.MonkeyPatch, name: str = "p") -> tuple[KVConnector, Told]:
+    """A connector built on the running loop (as the server's lifespan builds it) whose
+    failed notices are recorded instead of sent over NIXL."""
+    conn = KVConnector(engine_id=name, model_name="m", kv=PagedKVCache(LAYOUT, "cpu"),
+                       side_channel_host="127.0.0.1", side_channel_port=0, lease_seconds=60,
+                       free_blocks=lambda ids: None,
+                       metrics=ShimMetrics.create(CollectorRegistry()))
+    told: Told = []
+
+    async def record(target: WriteTarget, reason: str, detail: str) -> None:
+        told.append((target.tag, reason, target.agent_name or ""))
+
+    monkeypatch.setattr(conn, "_send_failed", record)
+    return conn, told
+
+
+async def _settle() -> None:
+    for _ in range(3):  # call_soon_threadsafe -> task -> record
+        await asyncio.sleep(0)
+
+
+async def test_p_tells_the_registered_d_when_the_router_aborts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    conn, told = _connector(monkeypatch)
+    conn._on_notice("d-1", encode_notice(_reg("r", "d-1")))
+    conn.abort("r")
+    await _settle()
+    assert told == [("r", "aborted", "d-1")]
+    assert len(conn._pushes) == 0
+
+
+async def test_a_registration_after_the_abort_is_answered_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    conn, told = _connector(monkeypatch)
+    conn.abort("r")
+    conn._on_notice("d-1", encode_notice(_reg("r", "d-1")))
+    await _settle()
+    assert told == [("r", "aborted", "d-1")]
+
+
+async def test_a_failed_prefill_tells_the_registered_d(monkeypatch: pytest.MonkeyPatch) -> None:
+    conn, told = _connector(monkeypatch)
+    conn._on_notice("d-1", encode_notice(_reg("r", "d-1")))
+    conn.fail_push("r", "prefill", "prefill error")
+    conn.fail_push("r", "prefill", "released too")  # idempotent: told once
+    await _settle()
+    assert told == [("r", "prefill", "d-1")]
+
+
+async def test_only_the_second_registrant_is_told_of_a_duplicate(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    conn, told = _connector(monkeypatch)
+    conn._on_notice("d-1", encode_notice(_reg("r", "d-1")))
+    conn._on_notice("d-2", encode_notice(_reg("r", "d-2")))
+    conn._on_notice("d-1", encode_notice(_reg("r", "d-1")))  # resend: quiet
+    conn._on_notice("d-2", encode_notice(Unregistration(request_id="r")))  # not d-2's
+    await _settle()
+    assert told == [("r", "duplicate", "d-2")]
+    assert len(conn._pushes) == 1
+    conn._on_notice("d-1", encode_notice(Unregistration(request_id="r")))
+    assert len(conn._pushes) == 0
+
+
+async def test_a_malformed_registration_is_counted_and_never_kept(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    conn, told = _connector(monkeypatch)
+    bad = msgspec.msgpack.encode({"v": NOTICE_VERSION, "notice": {
+        "kind": "reg", "request_id": "r", "engine_id": "d", "host": "h", "port": 1,
+        "agent_name": "d-1", "block_ids": ["1"], "num_tokens": 1}})
+    conn._on_notice("d-1", bad)
+    conn._on_notice("d-1", encode_notice(_reg("r", "d-1")))  # the valid one is kept
+    await _settle()
+    assert told == [] and len(conn._pushes) == 1
+    assert conn._metrics.registry.get_sample_value(
+        "pdgate_shim_protocol_errors_total",
+        {"channel": "nixl_notice", "reason": "malformed"}) == 1
+
+
+async def test_d_stops_waiting_when_p_says_the_write_will_not_land(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    conn, _ = _connector(monkeypatch, "d")
+    wait = asyncio.create_task(conn._wait_landed("r", 30.0))
+    await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    conn._on_notice("p-1", encode_notice(failed("r", "transfer", "WRITE failed")))
+    with pytest.raises(KVTransferError, match="transfer: WRITE failed") as info:
+        await wait
+    assert info.value.reason == "peer" and time.monotonic() - t0 < 0.5
+    assert "r" not in conn._landings  # forgotten
+
+
+async def test_await_landing_reads_a_failed_notice_as_not_landed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    conn, _ = _connector(monkeypatch, "d")
+    conn.expect_landing("res-1")  # notify: D reserved; P's failure may come before the leg
+    conn._on_notice("p-1", encode_notice(failed("res-1", "timeout")))
+    t0 = time.monotonic()
+    assert await conn.await_landing("res-1", 30.0) is None
+    assert time.monotonic() - t0 < 0.5
+
+
+async def test_a_stray_failed_notice_cannot_poison_a_later_wait(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    conn, _ = _connector(monkeypatch, "d")
+    conn._on_notice("p-1", encode_notice(failed("r", "aborted")))
+    assert "r" not in conn._landings
+    wait = asyncio.create_task(conn.await_landing("r", 30.0))
+    await asyncio.sleep(0.01)
+    conn._on_notice("p-1", encode_notice(Landed(tag="r", first_token_ids=[5])))
+    assert await wait == (5,)
+
+
+async def test_a_push_deadline_in_the_past_fails_before_registering(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    conn, _ = _connector(monkeypatch, "d")
+    params = {"pdgate_mode": "push", "remote_engine_id": "p", "remote_host": "127.0.0.1",
+              "remote_port": 9, "push_deadline": time.time() - 1}
+    with pytest.raises(KVTransferError, match="push_deadline passed") as info:
+        await conn.await_push(params, "r", [1], 4)
+    assert info.value.reason == "timeout"

@@ -97,7 +97,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("notify_secret", str, "notify mode: shared secret (>= 16 chars) engines sign KV-ready "
                            "notices with (engines: --notify-secret)"),
     ("kv_ready_timeout_s", float, "notify mode: seconds a request waits for its KV-ready "
-                                  "notice before failing with 504"),
+                                  "notice before failing with 504; push mode: seconds the "
+                                  "decode engine waits for the pushed KV (push_deadline)"),
     ("notify_ttl_s", float, "notify mode: seconds the KV-ready proxy keeps an unclaimed "
                             "notice or a never-awaited waiter"),
     ("notify_reap_interval_s", float, "notify mode: seconds between the proxy's sweeps of "

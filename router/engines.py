@@ -90,7 +90,7 @@ _KV_PARAM_KEYS = frozenset({
     "remote_block_ids", "remote_host", "remote_port", "remote_request_id",
     "remote_agent_name", "tp_size", "pdgate_mode", "notify_endpoint", "notify_request_id",
     "notify_token", "reservation_id", "num_tokens", "write_deadline", "first_token_ids",
-    "continue_after_prefill",
+    "continue_after_prefill", "push_deadline",
 })
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 

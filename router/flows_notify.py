@@ -38,7 +38,15 @@ from proxy import (
 )
 from router.aborts import Aborter
 from router.early_token import eligible, first_token_ids, head_chunks
-from router.errors import EngineError, EngineRejected, EngineTimeout, Overloaded, RouterError
+from router.errors import (
+    EngineError,
+    EngineRejected,
+    EngineTimeout,
+    NoEndpointAvailable,
+    Overloaded,
+    RouterError,
+)
+from router.failover import Exclusions, LegFailure, with_failover
 from router.flows_common import (
     FlowMetrics,
     PrefillLeg,
@@ -75,22 +83,37 @@ class NotifyFlow:
         self.early_first_token = early_first_token
 
     async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult | None:
-        """Serve `req`; None means "not possible here, run the pull flow" (D cannot reserve)."""
+        """Serve `req`; None means "run the pull flow": D cannot reserve, or no prefill
+        engine is healthy (pull then serves it on a decode engine alone, counted)."""
         o = self.orch
-        ctx = PickContext.of(req)
-        d_ep = await choose(o.pool, "decode", o.policies["decode"], ctx)
-        num_tokens = len(req.prompt_token_ids or ())
-        try:
-            slot = await self._reserve(d_ep, req, num_tokens)
-        except EngineRejected as exc:
-            if exc.status != 404:
-                raise
-            o.metrics.fallbacks.labels("no_reserve").inc()
+        if not o.pool.healthy("prefill"):
             return None
         try:
-            p_ep = await choose(o.pool, "prefill", o.policies["prefill"], ctx)
+            return await with_failover(
+                req, lambda r, ex: self._attempt(r, ex, t0), max_retries=o.max_retries,
+                retry_backoff_s=o.retry_backoff_s, metrics=o.metrics)
+        except _PullInstead:
+            return None
+
+    async def _attempt(self, req: ClientRequest, ex: Exclusions,
+                       t0: float) -> bytes | StreamResult:
+        """One try on one D and one P; a failure before the client's first byte releases
+        what this attempt holds and raises `LegFailure` (router/failover.py)."""
+        o = self.orch
+        ctx = PickContext.of(req)
+        d_ep = await choose(o.pool, "decode", o.policies["decode"], ctx, exclude=ex.decode)
+        try:
+            p_ep = await choose(o.pool, "prefill", o.policies["prefill"], ctx,
+                                exclude=ex.prefill)
+        except NoEndpointAvailable:
+            if not o.pool.healthy("prefill"):
+                raise _PullInstead from None  # every P down: decode-only, counted there
+            raise
+        num_tokens = len(req.prompt_token_ids or ())
+        slot = await self._reserve_or_fail(d_ep, req, num_tokens)
+        try:
             leg = self._dispatch(req, p_ep, slot, num_tokens)
-        except BaseException:  # P was never asked to write: D frees the reservation at once
+        except BaseException:  # P was never asked to write: D frees at once
             self.aborter.abort(d_ep.url, req.request_id, write_possible=False)
             raise
         wait = self._wait_kv(req, leg, p_ep, d_ep, slot, num_tokens)
@@ -98,9 +121,26 @@ class NotifyFlow:
         if req.stream and self.early_first_token and eligible(req):
             return await self._stream_early(req, d_ep, leg, asyncio.ensure_future(wait), t0)
         kv = await wait
-        if req.stream:
-            return await self._open_decode(req, d_ep, kv, t0)
-        return await self._run_decode(req, d_ep, kv, t0)
+        try:
+            if req.stream:
+                return await self._open_decode(req, d_ep, kv, t0)
+            return await self._run_decode(req, d_ep, kv, t0)
+        except RouterError as exc:  # nothing reached the client yet
+            raise LegFailure("decode", d_ep, exc) from None
+
+    async def _reserve_or_fail(self, d_ep: Endpoint, req: ClientRequest,
+                               n: int) -> dict[str, Any]:
+        try:
+            slot = await self._reserve(d_ep, req, n)
+        except EngineRejected as exc:
+            if exc.status != 404:
+                raise
+            self.orch.metrics.fallbacks.labels("no_reserve").inc()
+            raise _PullInstead from None
+        except RouterError as exc:
+            raise LegFailure("decode", d_ep, exc) from None
+        d_ep.health.record_success()
+        return slot
 
     async def _reserve(self, d_ep: Endpoint, req: ClientRequest, n: int) -> dict[str, Any]:
         body = _json_encode({"request_id": req.request_id, "num_tokens": n})
@@ -165,6 +205,7 @@ class NotifyFlow:
         except BaseException as exc:
             waiters.cancel(rid)
             return self._failed(req, leg, p_ep, d_ep, exc)
+        p_ep.health.record_success()
         self.metrics.kv_wait.labels(MODE).observe(time.perf_counter() - leg.t0)
         o.metrics.prefill_duration.observe(time.perf_counter() - leg.t0)
         return _Leg(leg, {"pdgate_mode": MODE, "reservation_id": slot["reservation_id"],
@@ -184,15 +225,17 @@ class NotifyFlow:
         failure = leg.error()
         if isinstance(failure, RouterError):
             self.metrics.flow_failures.labels(MODE, "prefill_failed").inc()
-            raise failure
+            raise LegFailure("prefill", p_ep, failure) from None
         if isinstance(exc, KVReadyTimeout):
             self.metrics.flow_failures.labels(MODE, "kv_ready_timeout").inc()
-            raise EngineTimeout(f"no KV-ready notification from prefill engine {p_ep.url} "
-                                f"within {self.timeout:g}s") from None
+            raise LegFailure("prefill", p_ep, EngineTimeout(
+                f"no KV-ready notification from prefill engine {p_ep.url} within "
+                f"{self.timeout:g}s")) from None
         if isinstance(exc, KVTransferFailed):
             self.metrics.flow_failures.labels(MODE, "transfer_failed").inc()
-            raise EngineError(f"KV transfer from prefill engine {p_ep.url} to {d_ep.url} "
-                              f"failed: {exc.error or 'unknown error'}") from None
+            raise LegFailure("prefill", p_ep, EngineError(
+                f"KV transfer from prefill engine {p_ep.url} to {d_ep.url} failed: "
+                f"{exc.error or 'unknown error'}")) from None
         if isinstance(exc, Exception):
             self.metrics.flow_failures.labels(MODE, "error").inc()
         raise exc
@@ -314,6 +357,10 @@ class _EarlyStream:
             # it: D would hold the reservation until it expires.
             req = self._req
             self._flow.aborter.abort(self._d_ep.url, req.request_id)
+
+
+class _PullInstead(Exception):  # noqa: N818 -- a signal, not an error
+    """This request cannot run in notify mode here; the pull flow serves it."""
 
 
 class _Leg:

@@ -23,12 +23,13 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from router.aborts import Aborter
 from router.early_token import eligible, first_token_ids, head_chunks
 from router.engines import EngineStream
-from router.errors import EngineError, EngineRejected, RouterError
+from router.errors import EngineError, EngineRejected, NoEndpointAvailable, RouterError
+from router.failover import Exclusions, LegFailure, with_failover
 from router.flows_common import (
     FlowMetrics,
     KVInfoCache,
@@ -55,7 +56,9 @@ class PushFlow:
     """Runs disaggregated requests in push mode. Built once per app, in the lifespan."""
 
     def __init__(self, orch: Orchestrator, metrics: FlowMetrics, aborter: Aborter,
-                 info: KVInfoCache, *, early_first_token: bool = True) -> None:
+                 info: KVInfoCache, *, early_first_token: bool = True,
+                 kv_wait_s: float = 30.0) -> None:
+        self.kv_wait_s = kv_wait_s  # D stops waiting for P's push after this (push_deadline)
         self.orch = orch
         self.metrics = metrics
         self.aborter = aborter
@@ -63,18 +66,33 @@ class PushFlow:
         self.early_first_token = early_first_token
 
     async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult | None:
-        """Serve `req`; None means "run the pull flow" (P cannot push)."""
+        """Serve `req`; None means "run the pull flow": P cannot push, or no prefill engine
+        is healthy (pull then serves it on a decode engine alone, counted)."""
+        o = self.orch
+        if not o.pool.healthy("prefill"):
+            return None
+        try:
+            return await with_failover(
+                req, lambda r, ex: self._attempt(r, ex, t0), max_retries=o.max_retries,
+                retry_backoff_s=o.retry_backoff_s, metrics=o.metrics)
+        except _PullInstead:
+            return None
+
+    async def _attempt(self, req: ClientRequest, ex: Exclusions,
+                       t0: float) -> bytes | StreamResult:
+        """One try on one P and one D; a failure before the client's first byte releases
+        what this attempt holds and raises `LegFailure` (router/failover.py)."""
         o = self.orch
         ctx = PickContext.of(req)
-        p_ep = await choose(o.pool, "prefill", o.policies["prefill"], ctx)
-        d_ep = await choose(o.pool, "decode", o.policies["decode"], ctx)
         try:
-            info = await self.info.get(p_ep, req.engine_headers)
-        except EngineRejected as exc:
-            if exc.status != 404:
-                raise
-            o.metrics.fallbacks.labels("no_push").inc()
-            return None
+            p_ep = await choose(o.pool, "prefill", o.policies["prefill"], ctx,
+                                exclude=ex.prefill)
+        except NoEndpointAvailable:
+            if not o.pool.healthy("prefill"):
+                raise _PullInstead from None  # every P down: decode-only, counted there
+            raise
+        d_ep = await choose(o.pool, "decode", o.policies["decode"], ctx, exclude=ex.decode)
+        info = await self._info_or_fail(p_ep, req)
         n = len(req.prompt_token_ids or ())
         # P's landed notice names its token: D can continue after it, so the client may
         # get it from P's reply at once (router/early_token.py).
@@ -85,6 +103,9 @@ class PushFlow:
             "pdgate_mode": MODE, "remote_engine_id": info["engine_id"],
             "remote_host": info["host"], "remote_port": info["port"],
             "remote_agent_name": info.get("agent_name"), "num_tokens": n,
+            # Wall clock past which D stops waiting for P's KV (fails or recomputes, per its
+            # --kv-load-failure-policy) instead of its own longer transfer timeout.
+            "push_deadline": time.time() + self.kv_wait_s,
         }
         if early:
             d_params["continue_after_prefill"] = True
@@ -92,11 +113,28 @@ class PushFlow:
         leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, p_body)
         req.served_by["decode"] = d_ep.url
         watch = _Watch(self, req, leg, p_ep, d_ep)
-        if early:
-            return await self._stream_early(req, d_ep, d_body, watch, t0)
-        if req.stream:
-            return await self._open_decode(req, d_ep, d_body, watch, t0)
-        return await self._run_decode(req, d_ep, d_body, watch, t0)
+        try:
+            if early:
+                return await self._stream_early(req, d_ep, d_body, watch, t0)
+            if req.stream:
+                return await self._open_decode(req, d_ep, d_body, watch, t0)
+            return await self._run_decode(req, d_ep, d_body, watch, t0)
+        except LegFailure:
+            raise
+        except RouterError as exc:  # the decode leg's own failure; nothing sent yet
+            raise LegFailure("decode", d_ep, exc) from None
+
+    async def _info_or_fail(self, p_ep: Endpoint, req: ClientRequest) -> dict[str, Any]:
+        try:
+            info = await self.info.get(p_ep, req.engine_headers)
+        except EngineRejected as exc:
+            if exc.status != 404:
+                raise
+            self.orch.metrics.fallbacks.labels("no_push").inc()
+            raise _PullInstead from None
+        except RouterError as exc:
+            raise LegFailure("prefill", p_ep, exc) from None
+        return info
 
     async def _run_decode(self, req: ClientRequest, d_ep: Endpoint, body: bytes,
                           watch: _Watch, t0: float) -> bytes:
@@ -172,6 +210,10 @@ class PushFlow:
         return StreamResult(chunks, stack.close)
 
 
+class _PullInstead(Exception):  # noqa: N818 -- a signal, not an error
+    """This request cannot run in push mode here; the pull flow serves it."""
+
+
 class _Continuation:
     """The client's stream in early-token push mode: P's token, then D's stream continuing
     after it. D's first event being an error (the push did not land, or named no token)
@@ -243,12 +285,14 @@ class _Watch:
             return
         failure = self.leg.error()
         if self.leg.task.cancelled():
-            raise EngineError(f"prefill leg on {self.p_ep.url} was cancelled")
+            raise LegFailure("prefill", self.p_ep, EngineError(
+                f"prefill leg on {self.p_ep.url} was cancelled"))
         if failure is not None:
             self.flow.metrics.flow_failures.labels(MODE, "prefill_failed").inc()
-            if isinstance(failure, RouterError):
-                raise failure
-            raise EngineError(f"prefill leg on {self.p_ep.url} failed: {failure!r}")
+            if not isinstance(failure, RouterError):
+                failure = EngineError(f"prefill leg on {self.p_ep.url} failed: {failure!r}")
+            raise LegFailure("prefill", self.p_ep, failure)
+        self.p_ep.health.record_success()
         self._settled = True
         params = self.leg.kv_params()
         self.pushed = isinstance(params, dict) and params.get("pdgate_mode") == MODE

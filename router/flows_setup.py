@@ -29,7 +29,8 @@ async def open_pd_flow(
     aborter = orch.aborter  # closed with the orchestrator
     if config.pd_mode == "push":
         return PushFlow(orch, metrics, aborter, KVInfoCache(orch.engines),
-                        early_first_token=config.early_first_token)
+                        early_first_token=config.early_first_token,
+                        kv_wait_s=config.kv_ready_timeout_s)
     proxy = NotifyServer(
         ProxyConfig(bind=config.notify_bind, advertise_host=config.notify_advertise_host,
                     notify_secret=config.notify_secret, ttl_s=config.notify_ttl_s,

@@ -35,12 +35,12 @@ from router.engines import (
 )
 from router.errors import (
     ContextLengthExceeded,
-    EngineRejected,
     EngineTimeout,
     EngineUnavailable,
     NoEndpointAvailable,
     RouterError,
 )
+from router.failover import note_failure
 from router.flows_common import relay_chunks
 from router.health import backoff_s
 from router.metrics import RouterMetrics
@@ -305,7 +305,7 @@ class Orchestrator:
             try:
                 result = await call(ep)
             except RouterError as exc:
-                if not _note_failure(role, ep, exc):
+                if not note_failure(role, ep, exc):
                     raise
                 error = exc
                 continue
@@ -315,21 +315,6 @@ class Orchestrator:
             return result
         assert error is not None
         raise error
-
-
-def _note_failure(role: Role, ep: Endpoint, exc: RouterError) -> bool:
-    """Record a failed leg on `ep`'s health; True when another engine may be tried.
-
-    A 4xx is the client's fault (the engine is fine). A prefill timeout is retried, unlike
-    a decode timeout: prefill is short, so a stall means a stuck engine (e.g. frozen), and
-    a second P costs at most one more prefill deadline."""
-    if isinstance(exc, EngineRejected):
-        ep.health.record_success()
-        return False
-    ep.health.record_failure()
-    if isinstance(exc, EngineUnavailable) and exc.connect_failed:
-        ep.set_healthy(False)
-    return exc.retryable or (role == "prefill" and isinstance(exc, EngineTimeout))
 
 
 class _DecodeBodies:

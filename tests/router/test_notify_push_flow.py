@@ -131,13 +131,14 @@ async def test_push_sends_both_legs_with_p_side_channel(
         make_engine: MakeEngine, start_router: StartRouter) -> None:
     p = await make_engine(engine_id="P0")
     d = await make_engine(engine_id="D0", delay_s=0.3)
-    router = await start_router([p], [d], pd_mode="push")
+    router = await start_router([p], [d], pd_mode="push", kv_ready_timeout_s=10.0)
     resp = await router.client.post("/v1/completions", json=BODY,
                                     headers={"X-Request-Id": "rid-push"})
     assert resp.status_code == 200
     assert p.prefills[0].body["kv_transfer_params"]["pdgate_mode"] == "push"
     dkv = d.decodes[0].body["kv_transfer_params"]
     assert dkv["pdgate_mode"] == "push" and dkv["do_remote_prefill"] is True
+    assert time.time() < dkv["push_deadline"] <= time.time() + 10.0  # kv_ready_timeout_s
     assert (dkv["remote_engine_id"], dkv["remote_host"], dkv["remote_port"]) == (
         "P0", "127.0.0.1", 5700)
     assert d.decodes[0].headers["X-Request-Id"] == p.prefills[0].headers["X-Request-Id"]

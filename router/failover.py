@@ -1,0 +1,114 @@
+"""Failover shared by every flow: who is to blame for a failed leg, and another attempt.
+
+Pull retries each leg on its own (`Orchestrator._with_retry`). Notify and push send legs
+that depend on each other (D's reservation names P's write, D's leg names P's identity), so
+they retry a whole *attempt*: every engine state the failed attempt created is released by
+the flow first, then `with_failover` runs the attempt again on other engines, up to
+`--max-retries` more times, before any byte went to the client. Each attempt gets its own
+engine-side request id (`attempt_request`), so a late write or notice of a failed attempt
+can never meet the next one.
+
+Both share `note_failure` (the breaker's verdict on a failed leg) and the jittered backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from router.errors import (
+    EngineRejected,
+    EngineTimeout,
+    EngineUnavailable,
+    NoEndpointAvailable,
+    RouterError,
+)
+from router.health import backoff_s
+from router.metrics import RouterMetrics
+from router.pool import Endpoint, Role
+from router.schema import ClientRequest
+
+__all__ = ["Exclusions", "LegFailure", "attempt_request", "note_failure", "with_failover"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def note_failure(role: Role, ep: Endpoint, exc: RouterError) -> bool:
+    """Record a failed leg on `ep`'s health; True when another engine may be tried.
+
+    A 4xx the client caused (`EngineRejected`) leaves the engine's record clean. A prefill
+    timeout is retried, unlike a decode timeout: prefill is short, so a stall means a stuck
+    engine (e.g. frozen), and a second P costs at most one more prefill deadline."""
+    if isinstance(exc, EngineRejected):
+        ep.health.record_success()
+        return False
+    ep.health.record_failure()
+    if isinstance(exc, EngineUnavailable) and exc.connect_failed:
+        ep.set_healthy(False)
+    return exc.retryable or (role == "prefill" and isinstance(exc, EngineTimeout))
+
+
+class LegFailure(RouterError):
+    """A leg of an attempt failed on `ep` before any byte reached the client; the flow has
+    already released what the attempt held. Carries the engine's error (same status)."""
+
+    def __init__(self, role: Role, ep: Endpoint, error: RouterError) -> None:
+        super().__init__(error.message, param=error.param)
+        self.role, self.ep, self.error = role, ep, error
+        self.status, self.type, self.code = error.status, error.type, error.code
+        self.retryable = error.retryable
+
+
+@dataclasses.dataclass
+class Exclusions:
+    """Engines that failed in earlier attempts of one request, per role."""
+
+    prefill: list[Endpoint] = dataclasses.field(default_factory=list)
+    decode: list[Endpoint] = dataclasses.field(default_factory=list)
+
+    def of(self, role: Role) -> list[Endpoint]:
+        return self.prefill if role == "prefill" else self.decode
+
+
+def attempt_request(req: ClientRequest, attempt: int) -> ClientRequest:
+    """`req` as attempt `attempt` sends it: attempt 0 is `req` itself; later ones get their
+    own engine-side id (and header) and share everything else (served_by included)."""
+    if attempt == 0:
+        return req
+    rid = f"{req.request_id}-{attempt}"
+    return dataclasses.replace(req, request_id=rid,
+                               engine_headers={**req.engine_headers, "X-Request-Id": rid})
+
+
+async def with_failover(
+    req: ClientRequest, run: Callable[[ClientRequest, Exclusions], Awaitable[T]], *,
+    max_retries: int, retry_backoff_s: float, metrics: RouterMetrics,
+) -> T:
+    """`run(attempt_req, exclusions)`, again on other engines after a `LegFailure` that
+    `note_failure` deems retryable, up to `max_retries` more times."""
+    excluded = Exclusions()
+    last: RouterError | None = None
+    for attempt in range(max_retries + 1):
+        if attempt:
+            await asyncio.sleep(backoff_s(attempt, retry_backoff_s))
+        try:
+            return await run(attempt_request(req, attempt), excluded)
+        except NoEndpointAvailable:
+            if last is None:
+                raise
+            raise last from None  # no other engine left: the client hears why it failed
+        except LegFailure as failure:
+            last = failure.error
+            if not note_failure(failure.role, failure.ep, failure.error) \
+                    or attempt == max_retries:
+                raise failure.error from None
+            excluded.of(failure.role).append(failure.ep)
+            metrics.retries.labels(failure.role).inc()
+            log.warning("request %s: %s leg failed on %s (%s); retrying the attempt on "
+                        "other engines", req.request_id, failure.role, failure.ep.url,
+                        failure.error.message)
+    raise AssertionError("unreachable")

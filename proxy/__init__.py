@@ -7,15 +7,23 @@ Router side::
 
     async with NotifyServer(ProxyConfig(bind="tcp://0.0.0.0:0", advertise_host=my_ip)) as px:
         notify_to = px.advertised_endpoint       # goes in the prefill leg's kv_transfer_params
-        px.waiters.register(request_id)          # BEFORE dispatching the prefill
+        token = secrets.token_hex(16)            # ... and so does this, as "notify_token"
+        px.waiters.register(request_id, token=token)  # BEFORE dispatching the prefill
         ...dispatch prefill...
         ready = await px.waiters.wait(request_id, timeout=10.0)  # KVReady, or raises
         # px.waiters.cancel(request_id) if the request is abandoned before waiting
 
-Engine side::
+Engine side (echo the token it was given, "" if none)::
 
     with NotifySender(secret=...) as sender:
-        sender.send(notify_to, KVReady(request_id=rid, engine_id=eid, num_tokens=n))
+        sender.send(notify_to, KVReady(request_id=rid, engine_id=eid, num_tokens=n,
+                                       token=params.get("notify_token", "")))
+
+Trust model: the port is open to anyone who can reach it. The shared secret (HMAC) keeps out
+notices no engine signed; the per-request token keeps out notices an engine signed for
+someone else's request (anyone who can send a prefill can get one); each waiter accepts one
+notice, so a captured one cannot be replayed. Junk of any shape is a counted drop that costs
+microseconds and cannot stop the receive loop (proxy.wire, proxy.server).
 
 Imports nothing from router or engine_shim.
 """

@@ -41,7 +41,7 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     max_waiters: int = 100_000
     max_early: int = 100_000
     max_early_bytes: int = 64 << 20
-    rcv_hwm: int = 10_000
+    rcv_hwm: int = 1_000
     max_msg_bytes: int = 64 << 10
     max_frame_bytes: int = MAX_FRAME_BYTES
     batch: int = 64

@@ -115,12 +115,12 @@ class ProxyMetrics:
             child = self._rejected[reason] = self.rejected.labels(reason)
         return child
 
-    def message(self, kind: str, result: str) -> None:
-        """Count one received frame (hot path: the labelled child is cached)."""
+    def message(self, kind: str, result: str, n: int = 1) -> None:
+        """Count `n` received frames (hot path: the labelled child is cached)."""
         child = self._children.get((kind, result))
         if child is None:
             child = self._children[(kind, result)] = self.messages.labels(kind, result)
-        child.inc()
+        child.inc(n)
 
     def reject(self, reason: RejectReason) -> None:
         """Count one refused notice (hot path under a replay flood: children are cached)."""

@@ -12,7 +12,8 @@ import urllib.request
 from pathlib import Path
 
 from proxy import KVReady, NotifySender
-from proxy.cli import build_parser
+from proxy.cli import build_parser, config_from_args
+from proxy.wire import MAX_FRAME_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -68,10 +69,16 @@ def test_bad_setting_is_a_usage_error() -> None:
     assert "ttl_s" in out.stderr
 
 
+def test_frame_size_setting_reaches_the_config() -> None:
+    args = build_parser().parse_args(["--max-frame-bytes", "4096"])
+    assert config_from_args(args).max_frame_bytes == 4096
+    assert config_from_args(build_parser().parse_args([])).max_frame_bytes == MAX_FRAME_BYTES
+
+
 def test_standalone_help() -> None:
     out = subprocess.run([sys.executable, "-m", "proxy", "--help"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     for flag in ("--bind", "--notify-secret", "--ttl-seconds", "--max-early", "--max-waiters",
-                 "--log-level"):
+                 "--max-frame-bytes", "--log-level"):
         assert flag in out.stdout

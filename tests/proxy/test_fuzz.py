@@ -15,13 +15,21 @@ SECRET = b"fuzz-secret-fuzz-secret"
 
 # Frames that look like ours often enough to reach the second decoding phase.
 _maps = st.dictionaries(
-    st.sampled_from(["v", "kind", "request_id", "req_id", "engine_id", "status", "ts", "x"]),
+    st.sampled_from(["v", "kind", "request_id", "req_id", "engine_id", "status", "ts", "x",
+                     "token"]),
     st.one_of(st.integers(-2**63, 2**63 - 1), st.text(max_size=8), st.none(),
               st.binary(max_size=8)),
     max_size=6,
 )
+# Nesting deeper than the recursion limit, alone or as a field the envelope skips.
+_bombs = st.integers(500, 5000).flatmap(lambda n: st.sampled_from([
+    b"\x91" * n + b"\x01",
+    b"\x82\xa1v\x02\xa1x" + b"\x91" * n + b"\x01",
+    b'{"v": 2, "x": ' + b"[" * n + b"]" * n + b"}",
+    b'{"req_id": ' + b"[" * n + b"]" * n + b"}",
+]))
 _frame = st.one_of(st.binary(max_size=64), _maps.map(msgspec.msgpack.encode),
-                   _maps.map(msgspec.json.encode))
+                   _maps.map(msgspec.json.encode), _bombs)
 
 
 @settings(max_examples=400, deadline=None)
@@ -33,7 +41,7 @@ def test_decoder_only_ever_returns_a_message_or_raises_wire_error(
     try:
         kind, msg = decoder.decode(frames)
     except WireError as e:
-        assert e.reason in {"malformed", "bad_version", "unknown_kind", "bad_mac"}
+        assert e.reason in {"malformed", "too_large", "bad_version", "unknown_kind", "bad_mac"}
         return
     assert isinstance(kind, str)
     assert not signed, "an unsigned random frame passed the HMAC check"

@@ -224,3 +224,159 @@ async def test_size_gauges_read_the_table() -> None:
     assert value(m, "pdgate_proxy_waiters") == 1
     assert value(m, "pdgate_proxy_early_arrivals") == 1
     assert value(m, "pdgate_proxy_early_arrival_bytes") == 100
+
+
+# ---- notices bound to one request (tokens), accepted once ------------------------------
+
+TOKEN = "9f" * 16  # what the router gets from secrets.token_hex(16)
+
+
+def tokened(rid: str, token: str = TOKEN, status: str = "ok") -> KVReady:
+    return KVReady(request_id=rid, engine_id="p0", status=status, token=token)  # type: ignore[arg-type]
+
+
+async def test_forged_notices_do_not_touch_a_tokened_waiter() -> None:
+    """A prefill engine signs whatever notice it is asked for: without the waiter's token, a
+    `failed` for a healthy request (or an early `ok`) is dropped and the real one wakes it."""
+    t, m, _ = table()
+    t.register("a", token=TOKEN)
+    task = asyncio.create_task(t.wait("a", timeout=5))
+    await asyncio.sleep(0)
+    assert deliver(t, tokened("a", token="guess", status="failed")) == "token_mismatch"
+    assert deliver(t, ready("a", status="failed")) == "token_mismatch"  # v1 / no token
+    lmcache = KVReady(request_id="a", engine_id="lmcache")  # what an LMCache notice becomes
+    assert deliver(t, lmcache) == "token_mismatch"
+    await asyncio.sleep(0)
+    assert not task.done()
+    assert deliver(t, tokened("a")) == "delivered"
+    assert (await task).status == "ok"
+    assert value(m, REJECTED, reason="token_mismatch") == 3
+    assert value(m, "pdgate_proxy_waits_total", outcome="failed") == 0
+
+
+async def test_a_replayed_notice_is_refused_during_and_after_the_wait() -> None:
+    t, m, _ = table()
+    t.register("a", token=TOKEN)
+    assert deliver(t, tokened("a")) == "delivered"
+    assert deliver(t, tokened("a", status="failed")) == "replay"  # captured and replayed
+    assert (await t.wait("a", timeout=1)).status == "ok"
+    assert deliver(t, tokened("a", status="failed")) == "replay"
+    assert deliver(t, tokened("a", token="other")) == "replay"  # gone: token not kept
+    assert (t.waiter_count(), t.early_count(), t.finished_count()) == (0, 0, 1)
+    assert value(m, REJECTED, reason="replay") == 3
+    assert value(m, "pdgate_proxy_finished_requests") == 1
+
+
+async def test_notices_for_finished_waiters_are_dropped_not_held() -> None:
+    t, m, _ = table()
+    t.register("done")
+    deliver(t, ready("done"))
+    await t.wait("done", timeout=1)
+    t.register("late")
+    with pytest.raises(KVReadyTimeout):
+        await t.wait("late", timeout=0.001)
+    t.register("dropped")
+    t.cancel("dropped")
+    assert deliver(t, ready("done")) == "replay"
+    assert deliver(t, ready("late")) == "unknown_waiter"
+    assert deliver(t, ready("dropped")) == "unknown_waiter"
+    assert t.early_count() == 0
+    assert value(m, REJECTED, reason="unknown_waiter") == 2
+
+
+async def test_a_reaped_waiter_is_remembered_too() -> None:
+    t, _, clock = table(ttl_s=10)
+    t.register("abandoned", token=TOKEN)
+    clock.now += 11
+    assert t.reap() == 1
+    assert deliver(t, tokened("abandoned")) == "unknown_waiter"
+    assert deliver(t, ready("abandoned")) == "unknown_waiter"
+    assert t.early_count() == 0
+
+
+async def test_tokened_notice_for_an_unregistered_id_is_dropped() -> None:
+    t, m, _ = table()
+    assert deliver(t, tokened("nobody")) == "unknown_waiter"
+    assert t.early_count() == 0
+    assert value(m, "pdgate_proxy_early_notifications_total") == 0
+
+
+async def test_tokened_waiter_discards_an_untokened_early_arrival() -> None:
+    t, m, _ = table()
+    assert deliver(t, ready("a", status="failed")) == "early"  # e.g. forged before register
+    t.register("a", token=TOKEN)
+    assert (t.early_count(), t.early_bytes()) == (0, 0)
+    assert value(m, REJECTED, reason="token_mismatch") == 1
+    assert deliver(t, tokened("a")) == "delivered"
+    assert (await t.wait("a", timeout=1)).status == "ok"
+
+
+async def test_waiter_without_token_takes_any_notice() -> None:
+    t, _, _ = table()
+    t.register("a")
+    assert deliver(t, tokened("a")) == "delivered"
+    deliver(t, ready("b"))
+    assert (await t.wait("a", timeout=1)).token == TOKEN
+    assert (await t.wait("b", timeout=1)).token == ""
+
+
+async def test_token_is_validated_and_cannot_change() -> None:
+    t, _, _ = table()
+    for bad in ("", "t" * 129):
+        with pytest.raises(ValueError):
+            t.register("a", token=bad)
+    t.register("a", token=TOKEN)
+    t.register("a", token=TOKEN)  # idempotent
+    for other in ("other", None):
+        with pytest.raises(ValueError):
+            t.register("a", token=other)
+    with pytest.raises(ValueError):
+        await t.wait("a", timeout=1, token="other")
+    assert t.waiter_count() == 1
+
+
+async def test_wait_without_register_takes_the_token() -> None:
+    t, _, _ = table()
+    task = asyncio.create_task(t.wait("a", timeout=5, token=TOKEN))
+    await asyncio.sleep(0)
+    assert deliver(t, ready("a")) == "token_mismatch"
+    assert deliver(t, tokened("a")) == "delivered"
+    assert (await task).token == TOKEN
+
+
+async def test_registering_a_finished_id_again_starts_afresh() -> None:
+    t, _, _ = table()
+    t.register("a", token=TOKEN)
+    deliver(t, tokened("a"))
+    await t.wait("a", timeout=1)
+    t.register("a", token="fresh-token")
+    assert t.finished_count() == 0
+    assert deliver(t, tokened("a")) == "token_mismatch"  # the first request's notice
+    assert deliver(t, tokened("a", token="fresh-token")) == "delivered"
+
+
+async def test_finished_ids_are_forgotten_after_ttl_and_bounded() -> None:
+    t, _, clock = table(ttl_s=10, max_waiters=3)
+    for i in range(5):
+        t.cancel(f"r{i}")
+    assert t.finished_count() == 3  # the oldest two forgotten
+    assert deliver(t, ready("r0")) == "early"
+    assert deliver(t, ready("r4")) == "unknown_waiter"
+    clock.now += 11
+    t.reap()
+    assert t.finished_count() == 0
+    assert deliver(t, ready("r4")) == "early"
+
+
+async def test_odd_tokens_off_the_wire_are_just_mismatches() -> None:
+    t, _, _ = table()
+    t.register("a", token=TOKEN)
+    for odd in ("é" * 10, "\ud800", TOKEN[:-1], TOKEN + "0", TOKEN.upper()):
+        assert deliver(t, tokened("a", token=odd)) == "token_mismatch"
+    assert deliver(t, tokened("a")) == "delivered"
+
+
+async def test_rejection_reasons_are_exported_from_the_start() -> None:
+    _, m, _ = table()
+    for reason in ("token_mismatch", "replay", "unknown_waiter"):
+        assert m.registry.get_sample_value(REJECTED, {"reason": reason}) == 0

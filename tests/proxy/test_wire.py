@@ -10,7 +10,10 @@ import pytest
 
 import proxy
 from proxy.wire import (
+    MAC_SIZE,
+    MAX_FRAME_BYTES,
     PROTOCOL_VERSION,
+    SUPPORTED_VERSIONS,
     FrameDecoder,
     Heartbeat,
     KVReady,
@@ -95,6 +98,65 @@ def test_lmcache_notification_decodes_as_ready(payload: bytes) -> None:
     assert kind == "lmcache"
     assert isinstance(msg, KVReady)
     assert (msg.request_id, msg.status) == ("lm-1", "ok")
+
+
+def test_v2_carries_the_token_and_v1_still_decodes() -> None:
+    assert (PROTOCOL_VERSION, SUPPORTED_VERSIONS) == (2, frozenset({1, 2}))
+    ready = KVReady(request_id="r1", token="a" * 32)
+    dec = FrameDecoder(KEY)
+    assert dec.decode(to_frames(ready, KEY)) == ("kv_ready", ready)
+    v1 = msgspec.msgpack.encode({"v": 1, "kind": "kv_ready", "request_id": "r1",
+                                 "engine_id": "p0", "status": "failed", "ts": 1.0})
+    kind, msg = dec.decode([v1, sign(v1, KEY)])
+    assert isinstance(msg, KVReady)
+    assert (kind, msg.v, msg.token, msg.status) == ("kv_ready", 1, "", "failed")
+
+
+def test_token_length_is_bounded() -> None:
+    long = msgspec.msgpack.encode({"v": 2, "kind": "kv_ready", "request_id": "r",
+                                   "token": "t" * 129})
+    assert _reason(FrameDecoder(), [long]) == ("malformed", "kv_ready")
+    assert FrameDecoder().decode([encode(KVReady(request_id="r", token="t" * 128))])
+
+
+def _nested_msgpack(depth: int, at_key: bool) -> bytes:
+    bomb = b"\x91" * depth + b"\x01"  # [[[...[1]...]]]
+    if not at_key:
+        return bomb
+    # a kv_ready map whose extra field (skipped by the envelope) holds the bomb
+    head = msgspec.msgpack.encode({"v": 2, "kind": "kv_ready", "request_id": "r"})
+    return bytes([head[0] + 1]) + head[1:] + msgspec.msgpack.encode("x") + bomb
+
+
+def _nested_json(depth: int, at_key: bool) -> bytes:
+    bomb = b"[" * depth + b"]" * depth
+    return b'{"v": 2, "kind": "kv_ready", "x": ' + bomb + b"}" if at_key else bomb
+
+
+@pytest.mark.parametrize("make", [_nested_msgpack, _nested_json])
+@pytest.mark.parametrize("at_key", [True, False])
+@pytest.mark.parametrize("depth", [5_000, 100_000])
+def test_nesting_bombs_are_malformed_not_recursion_errors(
+    make: object, at_key: bool, depth: int,
+) -> None:
+    payload = make(depth, at_key)  # type: ignore[operator]
+    for dec in (FrameDecoder(max_frame_bytes=1 << 20), FrameDecoder(KEY, max_frame_bytes=1 << 20)):
+        frames = [payload, sign(payload, KEY)]
+        assert _reason(dec, frames)[0] == "malformed"
+    # With the default size limit a 100k-deep bomb is refused before it is parsed.
+    want = "too_large" if len(payload) > MAX_FRAME_BYTES else "malformed"
+    assert _reason(FrameDecoder(), [payload])[0] == want
+
+
+def test_size_is_checked_before_the_mac() -> None:
+    dec = FrameDecoder(KEY, max_frame_bytes=1024)
+    big = encode(KVReady(request_id="r", error="x" * 2000))
+    assert _reason(dec, [big, sign(big, KEY)])[0] == "too_large"  # even with a valid MAC
+    assert _reason(FrameDecoder(max_frame_bytes=1024), [big])[0] == "too_large"
+    small = encode(KVReady(request_id="r"))
+    assert _reason(dec, [small, sign(small, KEY)[:-1]])[0] == "bad_mac"
+    assert _reason(dec, [small, sign(small, KEY) + b"x"])[0] == "bad_mac"
+    assert len(sign(small, KEY)) == MAC_SIZE
 
 
 def _imports(path: Path) -> set[str]:

@@ -285,7 +285,7 @@ class LoopLag:
             await self._task
 
 
-async def until_quiet(server: NotifyServer, total: int, quiet_s: float = 5.0) -> float:
+async def until_quiet(server: NotifyServer, total: int, quiet_s: float = 15.0) -> float:
     """Wait until `total` frames arrived, or none arrived for `quiet_s`; return the time of
     the last frame (perf_counter)."""
     last, seen = time.perf_counter(), server.frames_received

@@ -22,7 +22,8 @@ class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
         max_waiters: registered waiters allowed at once (register raises beyond).
         max_early / max_early_bytes: caps on held early arrivals (count, payload bytes).
         rcv_hwm: zmq receive high-water mark: messages queued per connected peer. It bounds
-            what one flooding connection holds in memory (up to ``rcv_hwm * max_msg_bytes``);
+            what one flooding connection of ordinary messages holds in memory (about
+            ``rcv_hwm * max_msg_bytes``; zmq does not bound the frames of one message);
             fair queueing, not the queue depth, is what keeps real notices flowing.
         max_msg_bytes: zmq MAXMSGSIZE; a peer sending a bigger frame is disconnected.
         max_frame_bytes: largest payload frame decoded; a bigger one is dropped and counted

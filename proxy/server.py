@@ -6,14 +6,15 @@ or the standalone ``python -m proxy``. No HTTP, no engine logic.
 Anyone who can reach the port can send frames, so the receive loop is built to stay useful
 under a flood of junk. zmq's PULL socket fair-queues between connected peers, one message
 per peer in turn, so a real engine's notices interleave with a flooding peer's as long as
-the loop keeps draining; each flooding connection is held back by `rcv_hwm` messages of at
-most `max_msg_bytes` each. Per frame the cheap checks come first (frame count, payload size,
-MAC size, then the HMAC, then the two-phase decode; see proxy.wire), so junk costs a few
-microseconds. The loop hands the event loop back after `batch` frames or `batch_time_s`,
-whichever comes first, so woken waiters (and, in the router, HTTP requests) run during a
-flood. Nothing a peer sends can end the loop: decode failures are counted `WireError`s, and
-any other exception is a bug that is counted (``error``), logged at most once a second, and
-survived.
+the loop keeps draining. Each flooding connection is held back by `rcv_hwm` messages whose
+frames are at most `max_msg_bytes` each (zmq bounds neither the frames of one message nor
+the number of connections: only the network in front of the port can). Per message the
+cheap checks come first (frame count, payload size, MAC size, then the HMAC, then the
+two-phase decode; see proxy.wire), so junk costs microseconds. The loop hands the event loop
+back after `batch` messages or `batch_time_s`, whichever comes first, so woken waiters (and,
+in the router, HTTP requests) run during a flood. Nothing a peer sends can end the loop:
+decode failures are counted `WireError`s, and any other exception is a bug that is counted
+(``error``), logged at most once a second, and survived.
 """
 
 from __future__ import annotations

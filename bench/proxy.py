@@ -116,26 +116,26 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def junk_messages(kind: str, n_rids: int) -> list[list[bytes]]:
-    """One cycle of junk messages of `kind` ("mixed": every kind in turn)."""
+    """One cycle of junk messages of `kind` ("mixed": every kind in turn); the notices name
+    every real request in turn."""
     if kind == "mixed":
         per_kind = [junk_messages(k, n_rids) for k in JUNK_KINDS]
-        return [m for group in zip(*per_kind, strict=False) for m in group]
+        return [m for group in zip(*per_kind, strict=True) for m in group]
     key = SECRET.encode()
+    bomb = b'{"v": 2, "kind": "kv_ready", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    fixed = {"bomb": [bomb, sign(bomb, key)], "big": [b"x" * 60_000, b"\x00" * 32]}
     out: list[list[bytes]] = []
-    for i in range(64):
-        rid = f"real-{i * 16 % max(n_rids, 1)}"
+    for i in range(max(n_rids, 64)):
+        if kind in fixed:
+            out.append(fixed[kind])  # the same objects: a cycle of these costs no memory
+            continue
         # Built as a map so older proxies (no token field) read it as a plain failed notice.
         forged = msgspec.msgpack.encode({"v": PROTOCOL_VERSION, "kind": "kv_ready",
-                                         "request_id": rid, "status": "failed",
-                                         "error": "forged", "token": "not-the-token"})
-        bomb = b'{"v": 2, "kind": "kv_ready", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}"
-        out.append({
-            "garbage": [b"\x00\xffjunk-%d" % i],
-            "badmac": [forged, b"\x00" * 32],
-            "forged": [forged, sign(forged, key)],
-            "bomb": [bomb, sign(bomb, key)],
-            "big": [b"x" * 60_000, b"\x00" * 32],
-        }[kind])
+                                         "request_id": f"real-{i % max(n_rids, 1)}",
+                                         "status": "failed", "error": "forged",
+                                         "token": "not-the-token"})
+        out.append({"garbage": [b"\x00\xffjunk-%d" % i], "badmac": [forged, b"\x00" * 32],
+                    "forged": [forged, sign(forged, key)]}[kind])
     return out
 
 

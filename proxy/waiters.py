@@ -335,7 +335,8 @@ class WaiterTable:
         return n_early + stale
 
     def _stale_waiters(self, cutoff: float) -> int:
-        # Forgotten last, so these ids are remembered for another ttl_s from now.
+        # Runs after the old finished ids were forgotten: these are remembered for a full
+        # ttl_s from now, like any other finished waiter.
         stale = []
         for rid, w in self._waiters.items():
             if w.at > cutoff:

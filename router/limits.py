@@ -514,6 +514,8 @@ def render_bounded(env: BoundedEnvironment, template: Template | str,
         raise InvalidRequest(str(exc), param="messages") from None
     except RecursionError:
         raise InvalidRequest("chat template recursion too deep", param="messages") from None
+    except MemoryError:
+        raise  # not the template's error to report: the worker process answers it
     except Exception as exc:  # jinja/template errors carry the useful message
         raise InvalidRequest(f"cannot apply chat template: {exc}", param="messages") from None
     finally:
@@ -532,11 +534,13 @@ def _bounded_output(template: Template, variables: dict[str, Any], budget: _Budg
     size = 0
     for piece in template.generate(variables):
         size += len(piece)
+        if stop_after is not None and size > stop_after:
+            # One char past the limit says "too long"; a 4 MB piece need not be copied.
+            yield piece[:len(piece) - (size - stop_after) + 1]
+            return
         budget.fits(size)
         budget.tick()
         yield piece
-        if stop_after is not None and size > stop_after:
-            return
 
 
 # --- worker processes for client templates ------------------------------------------------
@@ -571,14 +575,15 @@ class _Worker:
             stdout=subprocess.PIPE, start_new_session=True)
         self.ready = False
 
-    def exchange(self, frame: bytes, deadline: float, limit: int) -> bytes:
-        """Send one request frame, read the reply; raise TimeoutError, EOFError, OSError."""
+    def exchange(self, frame: bytes, wait_s: float, limit: int) -> bytes:
+        """Send one request frame and read the reply within `wait_s`; raise TimeoutError,
+        EOFError or OSError."""
         assert self.proc.stdin is not None and self.proc.stdout is not None
         out = self.proc.stdout.fileno()
         if not self.ready:  # interpreter start and imports are not the template's time
             _read_exact(out, 1, time.monotonic() + _STARTUP_TIMEOUT_S)
             self.ready = True
-            deadline = max(deadline, time.monotonic())
+        deadline = time.monotonic() + wait_s
         self.proc.stdin.write(frame)
         self.proc.stdin.flush()
         (size,) = _FRAME.unpack(_read_exact(out, _FRAME.size, deadline))
@@ -658,8 +663,7 @@ class TemplateWorkers:
         worker = self._checkout()
         try:
             raw = worker.exchange(_FRAME.pack(len(request)) + request,
-                                  time.monotonic() + timeout + _KILL_GRACE_S,
-                                  self._reply_limit)
+                                  timeout + _KILL_GRACE_S, self._reply_limit)
             reply = msgspec.json.decode(raw, type=_Reply)
         except TimeoutError:
             self._discard(worker)

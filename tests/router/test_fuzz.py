@@ -68,9 +68,50 @@ valid = completion | chat
 # A valid body with one field replaced by anything: reaches the deeper validation paths.
 mutated = st.tuples(valid, st.sampled_from(FIELDS), json_values).map(
     lambda t: {**t[0], t[1]: t[2]})
+# Hostile bodies (router/limits.py): nesting far beyond max_json_depth (arrays, objects,
+# both, unclosed) wherever a value may go, and strings that are not UTF-8 — overlong
+# forms, encoded surrogates, code points past U+10FFFF, truncated sequences, stray bytes —
+# or hold unpaired \ud800-style escapes, in values and keys.
+MARK = "\u2603MARK\u2603"
+_marked = (st.fixed_dictionaries({"model": st.just(MODEL), "prompt": st.just(MARK)},
+                                 optional=_options)
+           | st.fixed_dictionaries({"model": st.just(MODEL),
+                                    "messages": st.just([{"role": "user", "content": MARK}])},
+                                   optional=_options)
+           | st.just({"model": MODEL, MARK: 1, "prompt": "x"}))
+_plain = st.text(st.characters(blacklist_characters='"\\', blacklist_categories=("Cs", "Cc")),
+                 max_size=5)
+
+def _nest(depth: int, kind: str, closed: bool) -> bytes:
+    opener = {"[": b"[", "{": b'{"a": ', "mixed": b'[{"a": '}[kind]
+    closer = {"[": b"]", "{": b"}", "mixed": b"}]"}[kind]
+    return opener * depth + b"1" + (closer * depth if closed else b"")
+
+
+def _splice(body: dict[str, Any], payload: bytes, quoted: bool) -> bytes:
+    marker = msgspec.json.encode(MARK)
+    return msgspec.json.encode(body).replace(marker, b'"' + payload + b'"' if quoted
+                                             else payload)
+
+
+depth_bombs = st.builds(
+    lambda body, depth, kind, closed: _splice(body, _nest(depth, kind, closed), False),
+    _marked.filter(lambda b: MARK not in b), st.integers(20, 3000),
+    st.sampled_from(["[", "{", "mixed"]), st.booleans())
+bad_utf8 = st.sampled_from([
+    b"\xc0\xaf", b"\xc1\xbf", b"\xe0\x80\xaf", b"\xf0\x80\x80\xaf",  # overlong
+    b"\xed\xa0\x80", b"\xed\xbf\xbf",  # encoded surrogates
+    b"\xf4\x90\x80\x80", b"\xf8\x88\x80\x80\x80",  # past U+10FFFF
+    b"\xe2\x82", b"\xff", b"\xfe", b"\x80"])  # truncated, stray
+lone_surrogates = st.sampled_from([b"\\ud800", b"\\udfff", b"\\ud800x", b"\\udc00\\ud800",
+                                   b"\\uDBFF\\u0041"])
+broken_strings = st.builds(
+    lambda body, bad, pre, post: _splice(body, pre.encode() + bad + post.encode(), True),
+    _marked, bad_utf8 | lone_surrogates, _plain, _plain)
+hostile = depth_bombs | broken_strings
 bodies = (valid.map(msgspec.json.encode) | mutated.map(msgspec.json.encode)
           | json_values.map(msgspec.json.encode) | st.binary(max_size=200)
-          | st.text(max_size=100).map(str.encode))
+          | st.text(max_size=100).map(str.encode) | hostile)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +161,15 @@ def _check(resp: httpx.Response) -> None:
 @given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=bodies)
 def test_random_bodies_never_get_a_5xx(client: httpx.Client, path: str, body: bytes) -> None:
     _check(client.post(path, content=body, headers={"Content-Type": "application/json"}))
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=hostile)
+def test_hostile_bodies_get_a_400(client: httpx.Client, path: str, body: bytes) -> None:
+    resp = client.post(path, content=body, headers={"Content-Type": "application/json"})
+    _check(resp)
+    if resp.status_code != 200:  # shallow enough and valid: may be served
+        assert resp.status_code == 400, (resp.status_code, resp.text)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))

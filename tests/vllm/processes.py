@@ -26,6 +26,9 @@ NIXL_CONNECTOR = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
 NIXL_PTHR_DELAY_US = "100"
 # vLLM-CPU's default is 128; 32 (its smallest) makes short prompts span several blocks.
 BLOCK_SIZE = 32
+# Every vLLM engine here runs with `--api-key` and every router sends it (`--engine-api-key`),
+# as a production deployment should: engines serve only the router.
+ENGINE_KEY = "sk-test-engine-key-0123"
 
 
 def free_port() -> int:
@@ -122,7 +125,7 @@ def start_vllm(python: Path, model_dir: Path, name: str, log_dir: Path, *, core:
             "--model", str(model_dir), "--served-model-name", SERVED_NAME,
             "--host", "127.0.0.1", "--port", str(port),
             "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len),
-            "--block-size", str(BLOCK_SIZE), "--seed", "0"]
+            "--block-size", str(BLOCK_SIZE), "--seed", "0", "--api-key", ENGINE_KEY]
     if nixl:
         argv += ["--kv-transfer-config", json.dumps(NIXL_CONNECTOR)]
     events = f"ipc://{kv_events_dir / name}.sock" if kv_events_dir is not None else None
@@ -143,7 +146,7 @@ def start_router(model_dir: Path, prefill: list[str], decode: list[str], log_dir
     port = free_port()
     argv = [sys.executable, "-m", "router", "--model", str(model_dir),
             "--served-model-name", SERVED_NAME, "--port", str(port),
-            "--health-interval-s", "2"]
+            "--health-interval-s", "2", "--engine-api-key", ENGINE_KEY]
     for url in prefill:
         argv += ["--prefill", url]
     for url in decode:

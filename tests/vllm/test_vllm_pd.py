@@ -19,7 +19,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 
 from tests.e2e.cluster import metric
 from tests.vllm.conftest import VllmCluster
-from tests.vllm.processes import SERVED_NAME
+from tests.vllm.processes import ENGINE_KEY, SERVED_NAME
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -36,11 +36,13 @@ KV_SOURCE = "vllm:prompt_tokens_by_source_total"
 
 def client(url: str) -> openai.OpenAI:
     # max_retries=0: the SDK would silently retry a 502 and hide what the router answered.
-    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    # The engine key: engines need it; the router (no client keys here) ignores it.
+    return openai.OpenAI(base_url=url + "/v1", api_key=ENGINE_KEY, max_retries=0,
+                         timeout=300)
 
 
 def async_client(url: str) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused", max_retries=0,
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key=ENGINE_KEY, max_retries=0,
                               timeout=300)
 
 
@@ -247,3 +249,16 @@ def test_push_mode_router_falls_back_to_pull_with_vllm(vllm_cluster: VllmCluster
     assert done.usage is not None
     assert external1 - external0 == done.usage.prompt_tokens
     assert local1 == local0
+
+
+def test_engines_started_with_api_key_serve_only_the_router(vllm_cluster: VllmCluster) -> None:
+    """vLLM engines started with `--api-key` sit behind pdgate: the router sends the engine
+    key on both legs (`--engine-api-key`); a caller without it is refused by the engine."""
+    c = vllm_cluster
+    body = {"model": SERVED_NAME, "prompt": "Hello", "max_tokens": 2}
+    for url in (c.p.url, c.d.url):
+        refused = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert refused.status_code == 401
+    via_router = httpx.post(c.router.url + "/v1/completions", json=body, timeout=300)
+    assert via_router.status_code == 200, via_router.text
+    assert via_router.headers["X-Pdgate-Prefill-Engine"] == c.p.url

@@ -39,6 +39,34 @@ def test_depth_is_counted_outside_strings_only() -> None:
     check_json_depth(b"[" + b"[]," * 100_000 + b"[]]", 32)  # wide, not deep
 
 
+def _depth(value: Any) -> int:
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    return 0
+
+
+_tricky = st.text(alphabet='[]{}"\\ab\n', max_size=6)  # brackets, quotes, escapes in text
+json_trees = st.recursive(
+    st.none() | st.integers() | _tricky,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_tricky, inner, max_size=3),
+    max_leaves=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(tree=json_trees, limit=st.integers(1, 6), compact=st.booleans())
+def test_depth_check_agrees_with_the_decoded_depth(tree: Any, limit: int,
+                                                   compact: bool) -> None:
+    raw = (json.dumps(tree, separators=(",", ":")) if compact else json.dumps(tree)).encode()
+    try:
+        check_json_depth(raw, limit)
+        refused = False
+    except InvalidRequest:
+        refused = True
+    assert refused == (_depth(tree) > limit)
+
+
 async def test_lone_surrogates_never_crash_the_tokenizer(tokenizer: PromptTokenizer) -> None:
     # msgspec refuses them in bodies; a template can still produce one (`'%c' % 55296`).
     with pytest.raises(InvalidRequest, match="lone surrogate"):

@@ -661,9 +661,8 @@ class TemplateWorkers:
         failed or ran out of budget) or `Overloaded` (every worker stayed busy for a whole
         timeout)."""
         timeout = self._limits.chat_template_timeout_s
-        request = msgspec.json.encode(_Request(
-            source, variables, timeout, self._limits.chat_template_max_output_chars,
-            stop_after))
+        request = _Request(source, variables, timeout,
+                           self._limits.chat_template_max_output_chars, stop_after)
         try:
             with anyio.fail_after(timeout):
                 await self._slots.acquire()
@@ -678,11 +677,12 @@ class TemplateWorkers:
             raise InvalidRequest(reply.error, param="chat_template")
         return reply.text or ""
 
-    def _render_blocking(self, request: bytes, timeout: float) -> _Reply:
+    def _render_blocking(self, request: _Request, timeout: float) -> _Reply:
+        frame = msgspec.json.encode(request)  # megabytes of messages: not on the loop
         worker = self._checkout()
         try:
-            raw = worker.exchange(_FRAME.pack(len(request)) + request,
-                                  timeout + _KILL_GRACE_S, self._reply_limit)
+            raw = worker.exchange(_FRAME.pack(len(frame)) + frame, timeout + _KILL_GRACE_S,
+                                  self._reply_limit)
             reply = msgspec.json.decode(raw, type=_Reply)
         except TimeoutError:
             self._discard(worker)
@@ -690,8 +690,8 @@ class TemplateWorkers:
                                  param="chat_template") from None
         except (EOFError, OSError, msgspec.DecodeError):
             self._discard(worker)
-            raise InvalidRequest("chat template render failed (out of memory?)",
-                                 param="chat_template") from None
+            raise InvalidRequest("chat template render failed: its worker process died "
+                                 "(out of memory?)", param="chat_template") from None
         if reply.rss > _RECYCLE_RSS_BYTES:
             self._discard(worker)
         else:

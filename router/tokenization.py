@@ -70,7 +70,7 @@ class PromptTokenizer:
         self.limits = limits or InputLimits()
         self._env = BoundedEnvironment()
         self._compiled: dict[str, Template] = {}  # the model's own templates
-        self._special = {k: v for k, v in hf_tokenizer.special_tokens_map.items()}
+        self._special = dict(hf_tokenizer.special_tokens_map)
         self._workers = self._client_workers()
 
     def with_limits(self, limits: InputLimits, max_model_len: int | None = None

@@ -4,6 +4,10 @@ Unlike `pdgate up` (which stops the whole cluster when a child dies), every engi
 its own child of the test process, so a test can `kill -9`, `SIGSTOP`/`SIGCONT` or restart
 one engine by PID while the router keeps serving. Router and engines run with short
 deadlines (seconds, not minutes) so that every fault resolves quickly.
+
+The engines do not depend on the P/D mode (the router tells them per request), so one set
+of engines serves every mode: `start_engines` once, then `start_router(mode)` per mode
+(a router starts in seconds, four engines on two cores in far more).
 """
 
 from __future__ import annotations
@@ -22,13 +26,26 @@ from engine_shim.tiny import TINY_MODEL_NAME
 from tests.e2e.cluster import ROOT, free_port_range, metric
 
 LEASE_S = 3.0
+# KV-ready deadline (notify) and push deadline (push): a notice that never comes costs this.
+KV_READY_TIMEOUT_S = 3.0
+# Router and engines sign / check KV-ready notices with this (notify mode).
+NOTIFY_SECRET = "chaos-notify-secret-0123456789"
 # The router's deadlines: every wait is bounded, well below the clients' own timeout.
 ROUTER_FLAGS = [
     "--connect-timeout-s", "1", "--prefill-timeout-s", "2", "--decode-first-byte-timeout-s",
     "20", "--decode-idle-timeout-s", "15", "--health-interval-s", "0.3", "--health-timeout-s",
     "0.5", "--health-failure-threshold", "1", "--eject-consecutive-errors", "2",
     "--breaker-open-s", "2", "--max-retries", "2", "--retry-backoff-s", "0.02",
-    "--kv-abort-timeout-s", "1", "--log-level", "warning",
+    "--kv-abort-timeout-s", "1", "--kv-ready-timeout-s", str(KV_READY_TIMEOUT_S),
+    "--notify-secret", NOTIFY_SECRET, "--log-level", "warning",
+]
+# The engines' KV deadlines, short like the router's: a READ from a frozen prefill engine
+# must fail (and the decode engine recompute) well before the router's decode first-byte
+# deadline, else the decode leg times out at the router (engine default: 30 s > 20 s).
+ENGINE_FLAGS = [
+    "--kv-lease-seconds", str(LEASE_S), "--kv-transfer-timeout", "5",
+    "--kv-handshake-timeout", "3", "--kv-landing-timeout", "5",
+    "--notify-secret", NOTIFY_SECRET,
 ]
 
 
@@ -43,18 +60,33 @@ class Engine:
     argv: list[str]
     log: Path
     proc: subprocess.Popen[bytes] | None = None
+    extra: list[str] = field(default_factory=list)  # flags of this run on top of argv
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> None:
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self, extra: list[str] | None = None) -> None:
+        """Start the process; `extra` flags come last (argparse: the last one wins)."""
+        self.extra = list(extra or [])
         with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(self.argv, cwd=ROOT, stdout=out, stderr=out)
+            out.write(f"=== start {' '.join(self.extra)}\n".encode())
+            self.proc = subprocess.Popen(self.argv + self.extra, cwd=ROOT, stdout=out,
+                                         stderr=out)
 
     def signal(self, sig: int) -> None:
         assert self.proc is not None
         os.kill(self.proc.pid, sig)  # by PID: only the process this test started
+
+    def kill(self) -> None:
+        """`kill -9`, and reap it."""
+        self.signal(signal.SIGKILL)
+        assert self.proc is not None
+        self.proc.wait()
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -67,18 +99,23 @@ class Engine:
             self.proc.kill()
             self.proc.wait()
 
+    def restart(self, extra: list[str] | None = None) -> None:
+        """A new process (new NIXL agent) on the same HTTP and side-channel ports."""
+        self.stop()
+        self.start(extra)
+
 
 @dataclass
 class ChaosCluster:
-    """Engines plus a router in front of them, all children of the test process."""
+    """Engines plus a router in one P/D mode in front of them, all children of the test."""
 
+    mode: str
     router_port: int
     engines: list[Engine]
     router_argv: list[str]
     log_dir: Path
     router: subprocess.Popen[bytes] | None = None
     model: str = TINY_MODEL_NAME
-    _procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -88,18 +125,22 @@ class ChaosCluster:
         return [e for e in self.engines if e.role == role]
 
     def revive(self) -> None:
-        """Restart any engine that is not running (a scenario that failed half-way must not
-        break the next one) and wait until the router routes to all of them."""
+        """Restart any engine that is not running or runs with a test's extra flags, thaw
+        the rest (a scenario that failed half-way must not break the next one), and wait
+        until the router routes to all of them."""
+        restarted = []
         for e in self.engines:
-            if e.proc is None or e.proc.poll() is not None:
-                e.stop()
-                e.start()
-                wait_healthy(e, 120)
+            if not e.running or e.extra:
+                e.restart()
+                restarted.append(e)
             else:
-                os.kill(e.proc.pid, signal.SIGCONT)
+                e.signal(signal.SIGCONT)
+        for e in restarted:
+            wait_healthy(e, 120)
         wait_router_pairs(self, len(self.by_role("prefill")), len(self.by_role("decode")))
 
     def stop(self) -> None:
+        """Stop the router (the engines belong to whoever started them)."""
         if self.router is not None and self.router.poll() is None:
             self.router.terminate()
             try:
@@ -107,18 +148,16 @@ class ChaosCluster:
             except subprocess.TimeoutExpired:
                 self.router.kill()
                 self.router.wait()
-        for e in self.engines:
-            e.stop()
 
     def logs(self) -> str:
         return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2500:]}"
                          for p in sorted(self.log_dir.glob("*.log")))
 
 
-def start_chaos_cluster(tmp: Path, model_dir: Path, *, prefill: int = 2, decode: int = 2,
-                        timeout: float = 120.0) -> ChaosCluster:
-    """Start `prefill` + `decode` shim engines and a router; return once the router is
-    ready and every engine answers /health."""
+def start_engines(tmp: Path, model_dir: Path, *, prefill: int = 2, decode: int = 2,
+                  timeout: float = 180.0) -> tuple[list[Engine], int]:
+    """Start `prefill` + `decode` shim engines (all at once) and wait until every one
+    answers /health. Returns them and a free port for the router."""
     n = prefill + decode
     base = free_port_range(2 * n + 1)
     log_dir = tmp / "logs"
@@ -132,22 +171,41 @@ def start_chaos_cluster(tmp: Path, model_dir: Path, *, prefill: int = 2, decode:
                 "--served-model-name", TINY_MODEL_NAME, "--host", "127.0.0.1",
                 "--port", str(port), "--block-size", "4", "--num-blocks", "256",
                 "--engine-id", name, "--side-channel-host", "127.0.0.1",
-                "--side-channel-port", str(side), "--kv-lease-seconds", str(LEASE_S)]
+                "--side-channel-port", str(side), *ENGINE_FLAGS]
         engines.append(Engine(name, role, port, side, argv, log_dir / f"{name}.log"))
-    router_argv = [sys.executable, "-m", "router", "--host", "127.0.0.1",
-                   "--port", str(base), "--model", str(model_dir),
-                   "--served-model-name", TINY_MODEL_NAME, *ROUTER_FLAGS]
-    for e in engines:
-        router_argv += [f"--{e.role}", e.url]
-    cluster = ChaosCluster(base, engines, router_argv, log_dir)
     try:
         for e in engines:
             e.start()
         for e in engines:
             wait_healthy(e, timeout)
+    except BaseException:
+        stop_engines(engines)
+        raise
+    return engines, base
+
+
+def stop_engines(engines: list[Engine]) -> None:
+    for e in engines:
+        e.stop()
+
+
+def start_router(engines: list[Engine], port: int, model_dir: Path, mode: str, *,
+                 timeout: float = 120.0) -> ChaosCluster:
+    """A router in `mode` (pull, notify or push) in front of `engines`; returns once it
+    counts every engine healthy."""
+    log_dir = engines[0].log.parent
+    argv = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(port),
+            "--model", str(model_dir), "--served-model-name", TINY_MODEL_NAME,
+            "--pd-mode", mode, *ROUTER_FLAGS]
+    for e in engines:
+        argv += [f"--{e.role}", e.url]
+    cluster = ChaosCluster(mode, port, engines, argv, log_dir)
+    try:
         with (log_dir / "router.log").open("ab") as out:
-            cluster.router = subprocess.Popen(router_argv, cwd=ROOT, stdout=out, stderr=out)
-        wait_router_pairs(cluster, prefill, decode, timeout)
+            out.write(f"=== router --pd-mode {mode}\n".encode())
+            cluster.router = subprocess.Popen(argv, cwd=ROOT, stdout=out, stderr=out)
+        wait_router_pairs(cluster, len(cluster.by_role("prefill")),
+                          len(cluster.by_role("decode")), timeout)
     except BaseException:
         cluster.stop()
         raise
@@ -174,6 +232,8 @@ def wait_router_pairs(cluster: ChaosCluster, prefill: int, decode: int,
     deadline = time.monotonic() + timeout
     body: dict[str, object] = {}
     while time.monotonic() < deadline:
+        if cluster.router is not None and cluster.router.poll() is not None:
+            raise RuntimeError(f"router exited:\n{cluster.logs()}")
         try:
             body = httpx.get(cluster.url + "/ready", timeout=1.0).json()
             if (body.get("prefill_healthy"), body.get("decode_healthy")) == (prefill, decode):

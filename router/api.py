@@ -118,7 +118,13 @@ async def until_disconnected(
         if not task.done():
             task.cancel()
     if not task.cancelled() and task.done():
-        return task.result()
+        try:
+            return task.result()
+        finally:
+            # The exception re-raised here holds this frame, which holds the task, which
+            # holds the exception: a cycle that kept each refused request's memory (its
+            # body, its tokens) until the next full GC.
+            del task, watcher
     with contextlib.suppress(asyncio.CancelledError, Exception):
         result = await task  # let the legs unwind (the orchestrator frees P's blocks)
         if isinstance(result, StreamResult):  # finished in the same instant: release it

@@ -57,9 +57,7 @@ __all__ = [
     "EngineStream",
     "PrefillUsage",
     "StreamListener",
-    "decode_body",
     "extract_kv_params",
-    "prefill_body",
     "prefill_usage",
     "rewrite_usage",
 ]
@@ -107,44 +105,6 @@ class _Completion(msgspec.Struct):
 
 _check_object = msgspec.json.Decoder(_Object).decode
 _check_completion = msgspec.json.Decoder(_Completion).decode
-
-# What the router asks of P in pull mode (vLLM NixlConnector, design.md §2). Built fresh per
-# request by `prefill_body` so no request can mutate a shared dict.
-_PREFILL_KV_REQUEST: tuple[tuple[str, Any], ...] = (
-    ("do_remote_decode", True),
-    ("do_remote_prefill", False),
-    ("remote_engine_id", None),
-    ("remote_block_ids", None),
-    ("remote_host", None),
-    ("remote_port", None),
-)
-_PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
-
-
-def prefill_body(body: Mapping[str, Any]) -> bytes:
-    """The prefill leg's JSON: the client body, non-streaming, one token, asking P to keep
-    the KV for a remote decode. `body` is not modified."""
-    b = dict(body)
-    for key in _PREFILL_DROP:
-        b.pop(key, None)
-    b["kv_transfer_params"] = dict(_PREFILL_KV_REQUEST)
-    b["stream"] = False
-    b["max_tokens"] = 1
-    if "max_completion_tokens" in b:
-        b["max_completion_tokens"] = 1
-    return _json_encode(b)
-
-
-def decode_body(body: dict[str, Any], kv_params: Any | None) -> bytes:
-    """The decode leg's JSON: the original body plus P's `kv_transfer_params`, passed as an
-    opaque blob. With `kv_params=None` (fallback) any client-sent params are removed so D
-    computes the prompt itself. Mutates `body` (the caller's per-request copy)."""
-    if kv_params is None:
-        body.pop("kv_transfer_params", None)
-    else:
-        body["kv_transfer_params"] = kv_params
-    return _json_encode(body)
-
 
 def extract_kv_params(reply: Mapping[str, Any]) -> Any | None:
     """P's `kv_transfer_params`, or None when P sent none (then decode must recompute)."""

@@ -29,20 +29,20 @@ from router.engines import (
     rewrite_usage,
 )
 from router.errors import RouterError, error_json
+from router.leg_bodies import decode_leg_body
 from router.metrics import RouterMetrics
 from router.pool import Endpoint, EndpointPool
 from router.schema import ClientRequest
 from router.sse import UsageRewriter
 
 __all__ = ["ChunkSource", "FlowMetrics", "KVInfoCache", "PrefillLeg",
-           "decode_leg_body", "open_continuation", "prefill_leg_body", "relay", "relay_chunks",
+           "open_continuation", "relay", "relay_chunks",
            "rewrite_reply_usage"]
 
 log = logging.getLogger(__name__)
 _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
 _DONE = b"data: [DONE]\n\n"
-_PREFILL_DROP = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
 @dataclass(frozen=True)
@@ -72,30 +72,6 @@ class FlowMetrics:
                 ["result"], registry=registry,
             ),
         )
-
-
-def prefill_leg_body(body: Mapping[str, Any], kv_params: dict[str, Any]) -> bytes:
-    """The P leg: the client body, non-streaming, one token, with `kv_transfer_params`."""
-    b = dict(body)
-    for key in _PREFILL_DROP:
-        b.pop(key, None)
-    b["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
-                               **kv_params}
-    b["stream"] = False
-    b["max_tokens"] = 1
-    if "max_completion_tokens" in b:
-        b["max_completion_tokens"] = 1
-    return _json_encode(b)
-
-
-def decode_leg_body(body: Mapping[str, Any], kv_params: dict[str, Any] | None) -> bytes:
-    """The D leg: the original body plus `kv_transfer_params` (None: D computes the prompt)."""
-    b = dict(body)
-    b.pop("kv_transfer_params", None)
-    if kv_params is not None:
-        b["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
-                                   **kv_params}
-    return _json_encode(b)
 
 
 class PrefillLeg:
@@ -179,9 +155,8 @@ async def open_continuation(engines: EngineClient, req: ClientRequest, url: str,
     """Open the decode leg that continues a stream the client already has (early first
     token): the client's body with `kv_params` as its `kv_transfer_params`. The stream is
     closed with `stack`."""
-    body = dict(req.body)
-    body["kv_transfer_params"] = kv_params
-    stream = await engines.open_stream(url, req.path, _json_encode(body), req.engine_headers)
+    body = decode_leg_body(req.body, kv_params)
+    stream = await engines.open_stream(url, req.path, body, req.engine_headers)
     stack.callback(stream.close)
     return stream
 

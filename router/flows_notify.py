@@ -50,12 +50,11 @@ from router.failover import Exclusions, LegFailure, with_failover
 from router.flows_common import (
     FlowMetrics,
     PrefillLeg,
-    decode_leg_body,
     open_continuation,
-    prefill_leg_body,
     relay,
     rewrite_reply_usage,
 )
+from router.leg_bodies import decode_leg_body, prefill_leg_body, remote_prefill
 from router.orchestrator import Orchestrator, StreamResult
 from router.policies import PickContext, choose
 from router.pool import Endpoint
@@ -243,7 +242,7 @@ class NotifyFlow:
     async def _run_decode(self, req: ClientRequest, d_ep: Endpoint, kv: _Leg,
                           t0: float) -> bytes:
         o = self.orch
-        body = decode_leg_body(req.body, kv.params)
+        body = decode_leg_body(req.body, None if kv.params is None else remote_prefill(kv.params))
         try:
             with o.pool.track(d_ep):
                 raw = await o.engines.post_raw(d_ep.url, req.path, body, req.engine_headers)
@@ -261,7 +260,7 @@ class NotifyFlow:
     async def _open_decode(self, req: ClientRequest, d_ep: Endpoint, kv: _Leg,
                            t0: float) -> StreamResult:
         o = self.orch
-        body = decode_leg_body(req.body, kv.params)
+        body = decode_leg_body(req.body, None if kv.params is None else remote_prefill(kv.params))
         stack = contextlib.ExitStack()
         stack.enter_context(o.pool.track(d_ep))
         try:

@@ -34,12 +34,11 @@ from router.flows_common import (
     FlowMetrics,
     KVInfoCache,
     PrefillLeg,
-    decode_leg_body,
     open_continuation,
-    prefill_leg_body,
     relay,
     rewrite_reply_usage,
 )
+from router.leg_bodies import decode_leg_body, prefill_leg_body, remote_prefill
 from router.orchestrator import Orchestrator, StreamResult
 from router.policies import PickContext, choose
 from router.pool import Endpoint
@@ -109,7 +108,7 @@ class PushFlow:
         }
         if early:
             d_params["continue_after_prefill"] = True
-        d_body = decode_leg_body(req.body, d_params)
+        d_body = decode_leg_body(req.body, remote_prefill(d_params))
         leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, p_body)
         req.served_by["decode"] = d_ep.url
         watch = _Watch(self, req, leg, p_ep, d_ep)

@@ -27,9 +27,7 @@ from router.engines import (
     EngineClient,
     EngineStream,
     PrefillUsage,
-    decode_body,
     extract_kv_params,
-    prefill_body,
     prefill_usage,
     rewrite_usage,
 )
@@ -41,8 +39,9 @@ from router.errors import (
     RouterError,
 )
 from router.failover import note_failure
-from router.flows_common import relay_chunks
+from router.flows_common import relay_chunks, rewrite_reply_usage
 from router.health import backoff_s
+from router.leg_bodies import decode_leg_body, prefill_leg_body
 from router.metrics import RouterMetrics
 from router.policies import PickContext, Selector, choose
 from router.pool import Endpoint, EndpointPool, Role
@@ -190,7 +189,7 @@ class Orchestrator:
 
     async def run_prefill(self, req: ClientRequest) -> PrefillOutcome:
         """P leg: send the one-token prefill and read P's KV params and usage."""
-        body = prefill_body(req.body)
+        body = prefill_leg_body(req.body)
         t0 = time.perf_counter()
 
         async def call(ep: Endpoint) -> dict[str, Any]:
@@ -229,7 +228,7 @@ class Orchestrator:
         usage_from_p = _usage_to_apply(bodies.prefill)
         if usage_from_p is None:
             return raw
-        return _rewrite_reply_usage(raw, usage_from_p)
+        return rewrite_reply_usage(raw, usage_from_p)
 
     async def open_decode(
         self, req: ClientRequest, prefill: PrefillOutcome | None, t0: float, mode: str
@@ -328,7 +327,7 @@ class _DecodeBodies:
                  prefill: PrefillOutcome | None) -> None:
         self._orch, self._req = orch, req
         self.prefill = prefill
-        self._body = decode_body(dict(req.body), prefill.kv_params if prefill else None)
+        self._body = decode_leg_body(req.body, prefill.kv_params if prefill else None)
         self._fresh = False  # the params were just dropped; no attempt has run without them
 
     @contextlib.contextmanager
@@ -342,7 +341,7 @@ class _DecodeBodies:
             if self.prefill is not None and self.prefill.kv_params is not None:
                 self._orch.metrics.fallbacks.labels("decode_retry").inc()
                 self.prefill = None  # billing: D's own usage from now on
-                self._body = decode_body(dict(self._req.body), None)
+                self._body = decode_leg_body(self._req.body, None)
                 self._fresh = True
             raise
 
@@ -383,14 +382,3 @@ def _usage_to_apply(prefill: PrefillOutcome | None) -> PrefillUsage | None:
     if prefill is None or prefill.kv_params is None:
         return None
     return prefill.usage
-
-
-def _rewrite_reply_usage(raw: bytes, usage: PrefillUsage) -> bytes:
-    try:
-        reply = _json_decode(raw)
-    except msgspec.DecodeError:
-        return raw  # not ours to judge; the client gets what the engine said
-    if isinstance(reply, dict) and isinstance(reply.get("usage"), dict):
-        rewrite_usage(reply["usage"], usage)
-        return _json_encode(reply)
-    return raw

@@ -301,10 +301,6 @@ async def refusal_cycles(router: RunningRouter) -> list[str]:
         gc.enable()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "router/api.py until_disconnected re-raises the task's exception from a frame that "
-    "holds the task: exception -> traceback -> frame -> task -> exception. Fix there: "
-    "`del task, watcher` in a `finally` around `return task.result()`."))
 async def test_refused_request_is_freed_without_waiting_for_gc(
     make_engine: MakeEngine, start_router: StartRouter
 ) -> None:

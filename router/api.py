@@ -13,9 +13,10 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import anyio.to_thread
 import msgspec
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -35,6 +36,7 @@ from router.errors import (
     RouterError,
     error_json,
 )
+from router.limits import InputLimits
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator, StreamResult
 from router.pool import EndpointPool
@@ -59,6 +61,7 @@ _TRACE_HEADERS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("traceparent", lambda v: _TRACEPARENT.fullmatch(v) is not None),
     ("tracestate", _valid_tracestate),
 )
+_INLINE_PARSE_BYTES = 256 * 1024
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -73,6 +76,7 @@ class RouterState:
     orchestrator: Orchestrator
     started_at: int
     admission: Admission | None = None  # None: no admission control (tests, benches)
+    limits: InputLimits = field(default_factory=InputLimits)  # request parsing bounds
 
 
 class StateHolder:
@@ -172,17 +176,17 @@ class RelayResponse(StreamingResponse):
 
 def build_request(
     kind: str, raw: bytes, request: Request, request_id: str, served: list[str],
-    client_id: str | None = None,
+    client_id: str | None = None, limits: InputLimits | None = None,
 ) -> ClientRequest:
     """Validate `raw` into a `ClientRequest` (raises `RouterError` subclasses).
 
     `request_id` is the router's internal id (router/request_ids.py): the only id engines
     see. `client_id` is the client's sanitised `X-Request-Id`, kept for logs."""
     if kind == "chat":
-        body, chat = parse_chat(raw)
+        body, chat = parse_chat(raw, limits)
         req = ClientRequest("chat", "/v1/chat/completions", body, chat, request_id, {})
     else:
-        body, comp = parse_completion(raw)
+        body, comp = parse_completion(raw, limits)
         req = ClientRequest("completion", "/v1/completions", body, comp, request_id, {})
         req.prompt, req.batch = classify_prompt(comp.prompt)
     model = req.params.model
@@ -229,8 +233,11 @@ def _completion_handler(
         request: Request, raw: bytes, st: RouterState, t0: float, ids: _Ids
     ) -> Response:
         try:
-            req = build_request(kind, raw, request, ids.internal, st.config.served_names,
-                                ids.client)
+            args = (kind, raw, request, ids.internal, st.config.served_names, ids.client,
+                    st.limits)
+            # A megabyte body takes msgspec tens of ms to decode: not on the event loop.
+            req = build_request(*args) if len(raw) <= _INLINE_PARSE_BYTES else \
+                await anyio.to_thread.run_sync(build_request, *args)
             # Only while the router starts: engines probed every 0.2 s until ready.
             await st.pool.wait_first_ready(st.config.startup_wait_s)
             result = await until_disconnected(request, st.orchestrator.handle(req))

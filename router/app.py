@@ -124,7 +124,7 @@ async def _serving_state(
         stack.push_async_callback(orchestrator.aclose)
         orchestrator.pd_flow = await open_pd_flow(config, orchestrator, registry, stack)
         yield RouterState(config, metrics, registry, pool, orchestrator, int(time.time()),
-                          _admission(config, metrics))
+                          _admission(config, metrics), InputLimits.from_config(config))
 
 
 def _breaker_feed(pool: EndpointPool) -> Callable[[str, RouterError | None], None]:

@@ -307,3 +307,21 @@ async def test_refused_request_is_freed_without_waiting_for_gc(
     p, d, router = await pd_router(make_engine, start_router)
     assert await refusal_cycles(router) == []
 
+
+
+async def test_configured_parse_limits_are_the_ones_enforced(
+    make_engine: MakeEngine, start_router: StartRouter
+) -> None:
+    p, d, router = await pd_router(make_engine, start_router, max_json_depth=4,
+                                   max_messages=2)
+    nested = {"model": MODEL, "prompt": "hi", "max_tokens": 2,
+              "logit_bias": {"1": 0}, "extra": [[[[1]]]]}
+    resp = await router.client.post("/v1/completions", json=nested)
+    assert resp.status_code == 400 and "nest" in resp.json()["error"]["message"].lower()
+    chat = {"model": MODEL, "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hi"}] * 3}
+    resp = await router.client.post("/v1/chat/completions", json=chat)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+    chat["messages"] = chat["messages"][:2]
+    assert (await router.client.post("/v1/chat/completions", json=chat)).status_code == 200
+

@@ -72,6 +72,7 @@ class Engine:
 
     def start(self, extra: list[str] | None = None) -> None:
         """Start the process; `extra` flags come last (argparse: the last one wins)."""
+        assert not self.running, f"{self.name} runs already"
         self.extra = list(extra or [])
         with self.log.open("ab") as out:
             out.write(f"=== start {' '.join(self.extra)}\n".encode())
@@ -91,7 +92,7 @@ class Engine:
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
             return
-        os.kill(self.proc.pid, signal.SIGCONT)  # a frozen engine cannot handle SIGTERM
+        self.signal(signal.SIGCONT)  # a frozen engine cannot handle SIGTERM
         self.proc.terminate()
         try:
             self.proc.wait(timeout=15)
@@ -185,8 +186,13 @@ def start_engines(tmp: Path, model_dir: Path, *, prefill: int = 2, decode: int =
 
 
 def stop_engines(engines: list[Engine]) -> None:
-    for e in engines:
-        e.stop()
+    """Stop them all at once (each takes seconds to shut down gracefully)."""
+    running = [e for e in engines if e.running]
+    for e in running:
+        e.signal(signal.SIGCONT)  # a frozen engine cannot handle SIGTERM
+        e.signal(signal.SIGTERM)
+    for e in running:
+        e.stop()  # waits (and kills one that does not stop)
 
 
 def start_router(engines: list[Engine], port: int, model_dir: Path, mode: str, *,

@@ -295,10 +295,12 @@ def _assert_pools_full(engines: list[Engine]) -> float:
 
 
 def _restart_and_check(cluster: ChaosCluster, engine: Engine, reference: Reference,
-                       scenario: str) -> None:
-    """Bring `engine` back on its ports (new process, new NIXL agent); the router must take
-    it back, answers must stay right, and every pool must come back to full."""
-    engine.restart()
+                       scenario: str, *, started: bool = False) -> None:
+    """Bring `engine` back on its ports (new process, new NIXL agent; `started`: the test
+    did already); the router must take it back, answers must stay right, and every pool must
+    come back to full."""
+    if not started:
+        engine.restart()
     wait_healthy(engine, 120)
     wait_router_pairs(cluster, 2, 2)
     outs = asyncio.run(_load(cluster, reference, _mix(16, stream_every=4), 4))
@@ -322,6 +324,7 @@ def test_kill_prefill_engine_under_load(cluster: ChaosCluster, reference: Refere
     before = _retries(cluster)
     outs = asyncio.run(_load(cluster, reference, _mix(40, stream_every=4), 8, fault=kill))
     after = _retries(cluster)
+    victim.start()  # boots (seconds) while the survivors are checked
     survivors = [e for e in cluster.engines if e is not victim]
     waited = _assert_pools_full(survivors)
     _report(cluster, "kill-prefill", outs, retries_p=after[0] - before[0],
@@ -329,7 +332,7 @@ def test_kill_prefill_engine_under_load(cluster: ChaosCluster, reference: Refere
     _check(outs, 40)  # the other P took over: no non-streaming request failed
     assert victim.url in {o.prefill for o in outs}  # it was serving when it died
     assert after[0] > before[0], "no request was cut by the kill"
-    _restart_and_check(cluster, victim, reference, "kill-prefill")
+    _restart_and_check(cluster, victim, reference, "kill-prefill", started=True)
 
 
 def test_kill_decode_engine_mid_stream(cluster: ChaosCluster, reference: Reference) -> None:
@@ -353,16 +356,17 @@ def test_kill_decode_engine_mid_stream(cluster: ChaosCluster, reference: Referen
     before = _retries(cluster)
     streams, plain = asyncio.run(scenario())
     after = _retries(cluster)
+    assert killed, "no stream was served by the victim"
+    victim.start()  # boots (seconds) while the survivors are checked
     survivors = [e for e in cluster.engines if e is not victim]
     waited = _assert_pools_full(survivors)
     _report(cluster, "kill-decode", streams + plain, retries_d=after[1] - before[1],
             pools_full_after=f"{waited:.1f}s")
-    assert killed, "no stream was served by the victim"
     _check(plain, 24)  # non-streaming: run again on the other D
     # Cut off after the first byte: a clear error event, on the victim's streams only.
     _check(streams, 12, may_fail=lambda o: o.decode == victim.url)
     assert killed[0].error is not None, f"the stream cut by the kill saw no error: {killed}"
-    _restart_and_check(cluster, victim, reference, "kill-decode")
+    _restart_and_check(cluster, victim, reference, "kill-decode", started=True)
 
 
 def test_frozen_prefill_engine(cluster: ChaosCluster, reference: Reference) -> None:

@@ -58,7 +58,7 @@ from engine_shim.sequence import (
     StepOutput,
 )
 from engine_shim.staging import HostStaging, create_staging
-from engine_shim.transfer_errors import KVConnectorError
+from engine_shim.transfer_errors import KVConnectorError, KVTransferError
 
 __all__ = [
     "Engine", "EngineConfig", "EngineError", "EngineStopped", "KVLoadFailed", "KVTransfer",
@@ -617,6 +617,9 @@ class Engine:
                                                     tuple(seq.token_ids[seq.num_prompt:]))
             else:
                 params = self.connector.hold_for_remote_decode(seq.req.request_id, held)
+        except KVTransferError as exc:  # e.g. the router aborted it while it prefilled
+            log.info("request %s: KV not handed over: %s", seq.req.request_id, exc)
+            return None
         except Exception:
             log.exception("request %s: handing the KV over failed", seq.req.request_id)
             return None

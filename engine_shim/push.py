@@ -219,7 +219,8 @@ class PendingPushes:
     `abort` and `pop_all` return it as a Refusal later). Request ids P will not write for
     (aborted, given up, expired, or already matched) are remembered for `ttl` ("closed"),
     so a registration arriving after that is refused at once instead of waiting out the
-    TTL; a new `offer` for the id (a fresh prefill) reopens it.
+    TTL; a new `offer` for the id (a fresh prefill) reopens it, except after the router's
+    abort (the abort overtook the prefill: the offer is refused, the caller frees).
 
     Duplicate registrations (same request id): the first one stands. A second from the
     same agent is ignored (a resend: answering it would wake the first's wait, which D
@@ -244,7 +245,13 @@ class PendingPushes:
         Raises KVTransferError when the table is full or holds this id's prompt already
         (the caller keeps the blocks)."""
         with self._lock:
-            self._closed.pop(request_id, None)  # a fresh prefill for this id
+            closed = self._closed.pop(request_id, None)
+            if closed is not None and closed.reason == "aborted":
+                # The router's abort overtook this prefill on its way here: nobody will
+                # register for it, so holding the prompt would pin its blocks for the TTL.
+                self._closed[request_id] = closed
+                raise KVTransferError("the router aborted this request before its prefill "
+                                      "finished", reason="aborted")
             reg = self._regs.pop(request_id, None)
             if reg is not None:
                 self._close(request_id, "duplicate", reg.reg.agent_name)

@@ -185,9 +185,17 @@ def test_a_registration_after_an_abort_is_refused_at_once(table: PendingPushes) 
 
 
 def test_a_fresh_prefill_reopens_a_closed_id(table: PendingPushes) -> None:
-    table.abort("r")
+    table.abort("r", "prefill")  # e.g. its first prefill failed
     assert table.offer("r", [1], 6, None) is None
     _match(table.register(_reg()))
+
+
+def test_a_prefill_the_routers_abort_overtook_is_not_held(table: PendingPushes) -> None:
+    table.abort("r")  # the router gave up while P was still prefilling
+    with pytest.raises(KVTransferError, match="aborted"):
+        table.offer("r", [1], 6, None)
+    assert len(table) == 0 and table.blocks == 0
+    assert isinstance(table.register(_reg()), Refusal)  # and stays closed
 
 
 def test_abort_keeps_who_was_served(table: PendingPushes) -> None:

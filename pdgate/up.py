@@ -8,6 +8,7 @@ and waits for every PID it started. Their logs go to files so the console stays 
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import signal
 import subprocess
@@ -207,7 +208,9 @@ def _wait_ready(cluster: Cluster, child: Child, path: str, deadline: float) -> N
         try:
             if _http_json(child.url + path, timeout=1.0)[0] == 200:
                 return
-        except (OSError, ValueError):
+        # HTTPException: before the child listens, a connect to its port can land on the
+        # client's own socket (TCP self-connect) and read its own request back.
+        except (OSError, ValueError, http.client.HTTPException):
             pass
         time.sleep(0.2)
     raise RuntimeError(f"{child.name} not ready after the startup timeout; see {child.log}")

@@ -43,7 +43,9 @@ def device_args() -> list[str]:
 def free_port_range(count: int) -> int:
     """A base port with `count` consecutive free ports (the cluster numbers its engines)."""
     for _ in range(200):
-        base = random.randrange(20000, 40000)
+        # Below Linux's ephemeral range (32768+): a port there can be taken by any outgoing
+        # connection, or connect to itself before the engine listens.
+        base = random.randrange(20000, 32000)
         if _ports_free(base, count):
             return base
     raise RuntimeError("no free port range")

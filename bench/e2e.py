@@ -1,5 +1,5 @@
 """End to end on shim engines (tiny model, CPU): TTFT and throughput of colocated vs pull vs
-notify vs push, side by side in one run (design.md §7).
+notify vs push, side by side in one run.
 
 For each mode a fresh 1P1D cluster is started with `pdgate up` (block size 16); "colocated"
 is the same cluster shape with `--disagg-min-tokens` above every prompt, so each request

@@ -1,6 +1,6 @@
 """`pdgate shim` / `python -m engine_shim`: one engine process (model + paged KV + NIXL + HTTP).
 
-`build_parser()` declares every flag (the README's CLI reference is generated from it);
+`build_parser()` declares every flag (docs/cli.md is generated from it);
 `main(argv)` loads the model, wires the KV connector and serves with uvicorn until SIGINT or
 SIGTERM, then shuts down gracefully (in-flight requests get `--graceful-shutdown-timeout`).
 """

@@ -1,4 +1,4 @@
-"""Push-mode bookkeeping: P WRITEs a prompt's KV into D's blocks (design.md §3 notify/push).
+"""Push-mode bookkeeping: P WRITEs a prompt's KV into D's blocks (notify and push modes).
 
 Pure data and tables (no NIXL, no asyncio); `connector.py` does the transfers.
 

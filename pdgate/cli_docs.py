@@ -1,8 +1,8 @@
-"""Generates the README's CLI reference from the real parsers, so the two cannot drift.
+"""Generates the CLI reference (docs/cli.md) from the real parsers, so the two cannot drift.
 
-`python -m pdgate.cli_docs` prints the section; `--write README.md` replaces it in place
+`python -m pdgate.cli_docs` prints the section; `--write docs/cli.md` replaces it in place
 (between the `<!-- cli:begin -->` and `<!-- cli:end -->` markers). A test fails when the
-README is stale.
+page is stale.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     section = render()
     if args[:1] == ["--write"]:
-        path = Path(args[1] if len(args) > 1 else "README.md")
+        path = Path(args[1] if len(args) > 1 else "docs/cli.md")
         path.write_text(replace_section(path.read_text(), section))
     else:
         print(section, end="")

@@ -84,14 +84,14 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     decode_port: int = 8000
     engine_scheme: Literal["http", "https"] = "http"
     k8s_api_url: str | None = None
-    # Routing (issue 4): engines' KV block size (prefix hashing), the prefix index bound,
+    # Routing: engines' KV block size (prefix hashing), the prefix index bound,
     # engines' KV-events endpoints (`ENGINE_URL=tcp://host:port`), selective disaggregation.
     prefix_block_size: int = 16
     prefix_index_max_blocks: int = 1_000_000
     kv_events: list[str] = []
     disagg_min_tokens: int = 0
     disagg_prefix_ratio: float | None = None
-    # KV-ready proxy (notify mode, issue 3): the zmq PULL endpoint this router binds (port 0:
+    # KV-ready proxy (notify mode): the zmq PULL endpoint this router binds (port 0:
     # any free port), the host engines should connect to when it binds a wildcard, the HMAC
     # secret engines sign with, and how long a request waits for its KV.
     notify_bind: str = "tcp://127.0.0.1:0"
@@ -105,7 +105,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # Notify/push: stream P's first token to the client as soon as P answers
     # (router/early_token.py).
     early_first_token: bool = True
-    # Resilience (issue 5). Admission: requests served at once, requests waiting for a slot
+    # Resilience. Admission: requests served at once, requests waiting for a slot
     # (beyond both: 429), and how long one may wait. Secrets: Bearer keys for the OpenAI
     # routes and for /admin (admin routes exist only when `admin_api_key` is set).
     max_concurrent_requests: int = 1024

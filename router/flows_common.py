@@ -1,4 +1,4 @@
-"""Pieces shared by the notify and push flows (design.md §3): leg bodies, the prefill leg
+"""Pieces shared by the notify and push flows: leg bodies, the prefill leg
 run off the critical path, engine KV info, best-effort aborts, and the decode relay.
 
 The `kv_transfer_params` keys below are the contract with the engine shim

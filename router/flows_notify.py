@@ -1,4 +1,4 @@
-"""The notify flow (design.md §3, `--pd-mode notify`): P pushes the KV, the router waits for
+"""The notify flow (`--pd-mode notify`; protocol in docs/flows.md): P pushes the KV, the router waits for
 KV-ready, then D decodes.
 
 Per request: pick D first → reserve the prompt's blocks on D (`POST /v1/kv/reserve`) →

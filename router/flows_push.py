@@ -1,4 +1,4 @@
-"""The push flow (design.md §3, `--pd-mode push`, vLLM NixlPushConnector style).
+"""The push flow (`--pd-mode push`, vLLM NixlPushConnector style; docs/flows.md).
 
 Per request: pick P and D → send both legs at once. P's leg asks it to keep the prompt's KV
 for a push; D's leg names P's engine id and side channel (`POST /v1/kv/info`, cached per

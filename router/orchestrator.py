@@ -1,4 +1,4 @@
-"""The pull-mode P/D flow as small framework-free steps (design.md §2, §3).
+"""The pull-mode P/D flow as small framework-free steps.
 
 Per request: `tokenize` (count prompt tokens, check the context length) → `decide`
 (disaggregate or not) → `run_prefill` (P leg: one token, KV kept for a remote decode) →

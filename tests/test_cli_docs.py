@@ -1,4 +1,4 @@
-"""The README's CLI reference is generated from the parsers; a stale README fails here."""
+"""The CLI reference (docs/cli.md) is generated from the parsers; a stale page fails here."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_readme_cli_reference_matches_help() -> None:
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "cli.md").read_text()
     assert cli_docs.replace_section(readme, cli_docs.render()) == readme, (
-        "README CLI reference is stale: run `python -m pdgate.cli_docs --write README.md`"
+        "docs/cli.md is stale: run `python -m pdgate.cli_docs --write docs/cli.md`"
     )
 
 

@@ -1,6 +1,6 @@
 """A recording fake of a vLLM engine with the NixlConnector, served over real HTTP.
 
-It speaks the pull-mode contract of design.md §2: a request whose `kv_transfer_params`
+It speaks the pull-mode contract (docs/flows.md): a request whose `kv_transfer_params`
 has `do_remote_decode: true` is a prefill and gets one token plus the params a decode
 engine needs; anything else is a decode, answered as JSON or as an SSE stream with the
 configured tokens. Every request (path, headers, JSON body) is recorded.

@@ -1,5 +1,5 @@
-"""The notify flow (`--pd-mode notify`; protocol in docs/flows.md): P pushes the KV, the router waits for
-KV-ready, then D decodes.
+"""The notify flow (`--pd-mode notify`; docs/flows.md): P pushes the KV, the router waits
+for KV-ready, then D decodes.
 
 Per request: pick D first → reserve the prompt's blocks on D (`POST /v1/kv/reserve`) →
 register the KV-ready waiter → send P the prefill with D's blocks, side channel and this

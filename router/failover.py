@@ -28,10 +28,12 @@ from router.errors import (
 )
 from router.health import backoff_s
 from router.metrics import RouterMetrics
-from router.pool import Endpoint, Role
+from router.policies import PickContext, Selector, choose
+from router.pool import Endpoint, EndpointPool, Role
 from router.schema import ClientRequest
 
-__all__ = ["Exclusions", "LegFailure", "attempt_request", "note_failure", "with_failover"]
+__all__ = ["Exclusions", "LegFailure", "PullInstead", "attempt_request", "choose_prefill",
+           "note_failure", "run_or_pull", "with_failover"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -112,3 +114,34 @@ async def with_failover(
                         "other engines", req.request_id, failure.role, failure.ep.url,
                         failure.error.message)
     raise AssertionError("unreachable")
+
+
+class PullInstead(Exception):  # noqa: N818 -- a signal, not an error
+    """This request cannot run in the notify/push flow here; the pull flow serves it."""
+
+
+async def choose_prefill(pool: EndpointPool, selector: Selector, ctx: PickContext,
+                         ex: Exclusions) -> Endpoint:
+    """A prefill engine not excluded; `PullInstead` when every prefill engine is down (the
+    pull flow then serves the request on a decode engine alone, counted there)."""
+    try:
+        return await choose(pool, "prefill", selector, ctx, exclude=ex.prefill)
+    except NoEndpointAvailable:
+        if not pool.healthy("prefill"):
+            raise PullInstead from None
+        raise
+
+
+async def run_or_pull(
+    req: ClientRequest, run: Callable[[ClientRequest, Exclusions], Awaitable[T]], *,
+    pool: EndpointPool, max_retries: int, retry_backoff_s: float, metrics: RouterMetrics,
+) -> T | None:
+    """A notify/push flow's `run`: `with_failover`, or None ("run the pull flow") when no
+    prefill engine is healthy or an attempt raised `PullInstead`."""
+    if not pool.healthy("prefill"):
+        return None
+    try:
+        return await with_failover(req, run, max_retries=max_retries,
+                                   retry_backoff_s=retry_backoff_s, metrics=metrics)
+    except PullInstead:
+        return None

@@ -42,11 +42,10 @@ from router.errors import (
     EngineError,
     EngineRejected,
     EngineTimeout,
-    NoEndpointAvailable,
     Overloaded,
     RouterError,
 )
-from router.failover import Exclusions, LegFailure, with_failover
+from router.failover import Exclusions, LegFailure, PullInstead, choose_prefill, run_or_pull
 from router.flows_common import (
     FlowMetrics,
     PrefillLeg,
@@ -85,14 +84,9 @@ class NotifyFlow:
         """Serve `req`; None means "run the pull flow": D cannot reserve, or no prefill
         engine is healthy (pull then serves it on a decode engine alone, counted)."""
         o = self.orch
-        if not o.pool.healthy("prefill"):
-            return None
-        try:
-            return await with_failover(
-                req, lambda r, ex: self._attempt(r, ex, t0), max_retries=o.max_retries,
-                retry_backoff_s=o.retry_backoff_s, metrics=o.metrics)
-        except _PullInstead:
-            return None
+        return await run_or_pull(
+            req, lambda r, ex: self._attempt(r, ex, t0), pool=o.pool,
+            max_retries=o.max_retries, retry_backoff_s=o.retry_backoff_s, metrics=o.metrics)
 
     async def _attempt(self, req: ClientRequest, ex: Exclusions,
                        t0: float) -> bytes | StreamResult:
@@ -101,13 +95,7 @@ class NotifyFlow:
         o = self.orch
         ctx = PickContext.of(req)
         d_ep = await choose(o.pool, "decode", o.policies["decode"], ctx, exclude=ex.decode)
-        try:
-            p_ep = await choose(o.pool, "prefill", o.policies["prefill"], ctx,
-                                exclude=ex.prefill)
-        except NoEndpointAvailable:
-            if not o.pool.healthy("prefill"):
-                raise _PullInstead from None  # every P down: decode-only, counted there
-            raise
+        p_ep = await choose_prefill(o.pool, o.policies["prefill"], ctx, ex)
         num_tokens = len(req.prompt_token_ids or ())
         slot = await self._reserve_or_fail(d_ep, req, num_tokens)
         try:
@@ -135,7 +123,7 @@ class NotifyFlow:
             if exc.status != 404:
                 raise
             self.orch.metrics.fallbacks.labels("no_reserve").inc()
-            raise _PullInstead from None
+            raise PullInstead from None
         except RouterError as exc:
             raise LegFailure("decode", d_ep, exc) from None
         d_ep.health.record_success()
@@ -356,10 +344,6 @@ class _EarlyStream:
             # it: D would hold the reservation until it expires.
             req = self._req
             self._flow.aborter.abort(self._d_ep.url, req.request_id)
-
-
-class _PullInstead(Exception):  # noqa: N818 -- a signal, not an error
-    """This request cannot run in notify mode here; the pull flow serves it."""
 
 
 class _Leg:

@@ -28,8 +28,8 @@ from typing import Any, TypeVar
 from router.aborts import Aborter
 from router.early_token import eligible, first_token_ids, head_chunks
 from router.engines import EngineStream
-from router.errors import EngineError, EngineRejected, NoEndpointAvailable, RouterError
-from router.failover import Exclusions, LegFailure, with_failover
+from router.errors import EngineError, EngineRejected, RouterError
+from router.failover import Exclusions, LegFailure, PullInstead, choose_prefill, run_or_pull
 from router.flows_common import (
     FlowMetrics,
     KVInfoCache,
@@ -68,14 +68,9 @@ class PushFlow:
         """Serve `req`; None means "run the pull flow": P cannot push, or no prefill engine
         is healthy (pull then serves it on a decode engine alone, counted)."""
         o = self.orch
-        if not o.pool.healthy("prefill"):
-            return None
-        try:
-            return await with_failover(
-                req, lambda r, ex: self._attempt(r, ex, t0), max_retries=o.max_retries,
-                retry_backoff_s=o.retry_backoff_s, metrics=o.metrics)
-        except _PullInstead:
-            return None
+        return await run_or_pull(
+            req, lambda r, ex: self._attempt(r, ex, t0), pool=o.pool,
+            max_retries=o.max_retries, retry_backoff_s=o.retry_backoff_s, metrics=o.metrics)
 
     async def _attempt(self, req: ClientRequest, ex: Exclusions,
                        t0: float) -> bytes | StreamResult:
@@ -83,13 +78,7 @@ class PushFlow:
         what this attempt holds and raises `LegFailure` (router/failover.py)."""
         o = self.orch
         ctx = PickContext.of(req)
-        try:
-            p_ep = await choose(o.pool, "prefill", o.policies["prefill"], ctx,
-                                exclude=ex.prefill)
-        except NoEndpointAvailable:
-            if not o.pool.healthy("prefill"):
-                raise _PullInstead from None  # every P down: decode-only, counted there
-            raise
+        p_ep = await choose_prefill(o.pool, o.policies["prefill"], ctx, ex)
         d_ep = await choose(o.pool, "decode", o.policies["decode"], ctx, exclude=ex.decode)
         info = await self._info_or_fail(p_ep, req)
         n = len(req.prompt_token_ids or ())
@@ -130,7 +119,7 @@ class PushFlow:
             if exc.status != 404:
                 raise
             self.orch.metrics.fallbacks.labels("no_push").inc()
-            raise _PullInstead from None
+            raise PullInstead from None
         except RouterError as exc:
             raise LegFailure("prefill", p_ep, exc) from None
         return info
@@ -207,10 +196,6 @@ class PushFlow:
         stack.callback(self._release_prefill_unless, source, watch)
         chunks = relay(source, watch.leg, o.metrics, t0, MODE, req.wants_usage_chunks)
         return StreamResult(chunks, stack.close)
-
-
-class _PullInstead(Exception):  # noqa: N818 -- a signal, not an error
-    """This request cannot run in push mode here; the pull flow serves it."""
 
 
 class _Continuation:

@@ -17,7 +17,8 @@ starting without one would leave the engine open.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
+
+from proxy.secret_files import SecretFileError, read_secret_file
 
 __all__ = [
     "API_KEY_ENV",
@@ -32,7 +33,6 @@ API_KEY_ENV = "PDGATE_ENGINE_API_KEY"
 NOTIFY_SECRET_ENV = "PDGATE_NOTIFY_SECRET"
 MIN_API_KEY_CHARS = 8  # as the router's keys: refuses placeholders like "x" or "1234"
 _FILE = "_FILE"
-_MAX_FILE_BYTES = 64 * 1024
 
 
 class CredentialError(ValueError):
@@ -70,16 +70,9 @@ def _secret(flag: str | None, flag_name: str, var: str,
 
 def _read_file(var: str, path: str) -> str:
     try:
-        data = Path(path).read_bytes()[: _MAX_FILE_BYTES + 1]
-    except OSError as e:
-        raise CredentialError(f"{var}: cannot read {path}: {e.strerror}") from None
-    if len(data) > _MAX_FILE_BYTES:
-        raise CredentialError(f"{var}: {path} is larger than {_MAX_FILE_BYTES} bytes")
-    try:
-        text = data.decode()
-    except UnicodeDecodeError:
-        raise CredentialError(f"{var}: {path} is not UTF-8 text") from None
-    secret = text.removesuffix("\n").removesuffix("\r")
-    if not secret:
+        secret = read_secret_file(var, path)
+    except SecretFileError as e:
+        raise CredentialError(str(e)) from None
+    if not secret:  # a mounted but empty secret must not leave the engine open
         raise CredentialError(f"{var}: {path} is empty")
     return secret

@@ -15,11 +15,11 @@ ignored, so a chart can render a variable unconditionally.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any, get_args
 
 import msgspec
 
+from proxy.secret_files import SecretFileError, read_secret_file
 from router.config import ConfigError, RouterConfig
 
 __all__ = ["ENV_PREFIX", "SECRET_FIELDS", "env_name", "env_overrides", "env_reference"]
@@ -30,7 +30,6 @@ SECRET_FIELDS = frozenset(
 )
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-_MAX_SECRET_FILE_BYTES = 64 * 1024
 
 
 def env_name(field: str) -> str:
@@ -73,16 +72,9 @@ def _raw_value(field: str, environ: Mapping[str, str]) -> str | None:
 
 def _read_secret_file(var: str, path: str) -> str | None:
     try:
-        data = Path(path).read_bytes()[: _MAX_SECRET_FILE_BYTES + 1]
-    except OSError as exc:
-        raise ConfigError(f"{var}: cannot read {path}: {exc.strerror}") from None
-    if len(data) > _MAX_SECRET_FILE_BYTES:
-        raise ConfigError(f"{var}: {path} is larger than {_MAX_SECRET_FILE_BYTES} bytes")
-    try:
-        text = data.decode()
-    except UnicodeDecodeError:
-        raise ConfigError(f"{var}: {path} is not UTF-8 text") from None
-    return text.removesuffix("\n").removesuffix("\r") or None
+        return read_secret_file(var, path) or None
+    except SecretFileError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _convert(field: str, typ: Any, raw: str) -> Any:

@@ -28,7 +28,7 @@ from router.dashboard import install_dashboard
 from router.discovery import KubernetesDiscovery
 from router.engines import EngineClient
 from router.errors import RouterError
-from router.flows_setup import open_pd_flow
+from router.flows.setup import open_pd_flow
 from router.health import HealthSettings
 from router.limits import InputLimits
 from router.metrics import RouterMetrics

@@ -38,10 +38,10 @@ from router.errors import (
     NoEndpointAvailable,
     RouterError,
 )
-from router.failover import note_failure
-from router.flows_common import relay_chunks, rewrite_reply_usage
+from router.flows.bodies import decode_leg_body, prefill_leg_body
+from router.flows.common import relay_chunks, rewrite_reply_usage
+from router.flows.failover import note_failure
 from router.health import backoff_s
-from router.leg_bodies import decode_leg_body, prefill_leg_body
 from router.metrics import RouterMetrics
 from router.policies import PickContext, Selector, choose
 from router.pool import Endpoint, EndpointPool, Role
@@ -68,7 +68,7 @@ class PrefillOutcome:
 
 
 class PDFlow(Protocol):
-    """A `--pd-mode` flow other than pull (router/flows_notify.py, flows_push.py)."""
+    """A `--pd-mode` flow other than pull (router/flows/notify.py, push.py)."""
 
     async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult | None:
         """Serve a disaggregated request; None: run the pull flow instead."""

@@ -25,7 +25,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from router.engines import EngineStream
-from router.flows_common import relay_chunks
+from router.flows.common import relay_chunks
 from router.metrics import RouterMetrics
 from router.sse import UsageRewriter
 

@@ -1,5 +1,5 @@
 """Notify and push flows against recording fake engines: what each engine is asked, in which
-order, and what the client gets when a leg fails (router/flows_notify.py, flows_push.py)."""
+order, and what the client gets when a leg fails (router/flows/notify.py, push.py)."""
 
 from __future__ import annotations
 

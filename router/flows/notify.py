@@ -6,7 +6,7 @@ register the KV-ready waiter → send P the prefill with D's blocks, side channe
 router's proxy endpoint (P's HTTP reply is not awaited: it runs in the background and only
 its failure matters) → await KV-ready (deadline `kv_ready_timeout_s`) → send D the decode
 leg naming the reservation. TTFT ≈ prefill + WRITE + one notification, no HTTP round trip
-and no serial READ between the legs. Streams that qualify (router/early_token.py) do await
+and no serial READ between the legs. Streams that qualify (router/flows/early_token.py) do await
 P's reply: its token opens the client's stream at once (TTFT ≈ prefill + one hop) and the
 decode leg asks D to continue after it.
 
@@ -37,7 +37,6 @@ from proxy import (
     WaiterTable,
 )
 from router.aborts import Aborter
-from router.early_token import eligible, first_token_ids, head_chunks
 from router.errors import (
     EngineError,
     EngineRejected,
@@ -45,15 +44,16 @@ from router.errors import (
     Overloaded,
     RouterError,
 )
-from router.failover import Exclusions, LegFailure, PullInstead, choose_prefill, run_or_pull
-from router.flows_common import (
+from router.flows.bodies import decode_leg_body, prefill_leg_body, remote_prefill
+from router.flows.common import (
     FlowMetrics,
     PrefillLeg,
     open_continuation,
     relay,
     rewrite_reply_usage,
 )
-from router.leg_bodies import decode_leg_body, prefill_leg_body, remote_prefill
+from router.flows.early_token import eligible, first_token_ids, head_chunks
+from router.flows.failover import Exclusions, LegFailure, PullInstead, choose_prefill, run_or_pull
 from router.orchestrator import Orchestrator, StreamResult
 from router.policies import PickContext, choose
 from router.pool import Endpoint
@@ -91,7 +91,7 @@ class NotifyFlow:
     async def _attempt(self, req: ClientRequest, ex: Exclusions,
                        t0: float) -> bytes | StreamResult:
         """One try on one D and one P; a failure before the client's first byte releases
-        what this attempt holds and raises `LegFailure` (router/failover.py)."""
+        what this attempt holds and raises `LegFailure` (router/flows/failover.py)."""
         o = self.orch
         ctx = PickContext.of(req)
         d_ep = await choose(o.pool, "decode", o.policies["decode"], ctx, exclude=ex.decode)
@@ -269,7 +269,7 @@ class NotifyFlow:
     async def _stream_early(self, req: ClientRequest, d_ep: Endpoint, leg: PrefillLeg,
                             wait: asyncio.Future[_Leg], t0: float) -> StreamResult:
         """Open the client's stream with P's token as soon as P answers, then relay D's
-        continuation (router/early_token.py). P's reply not allowing it (no push, an early
+        continuation (router/flows/early_token.py). P's reply not allowing it (no push, an early
         stop, an engine without `first_token_ids`): the plain stream."""
         try:
             first: set[asyncio.Future[Any]] = {leg.task, wait}

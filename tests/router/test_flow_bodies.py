@@ -1,4 +1,4 @@
-"""Every flow's leg bodies come from router/leg_bodies.py: one table of what each leg sends."""
+"""Every flow's leg bodies come from router/flows/bodies.py: one table of what each leg sends."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from router.leg_bodies import decode_leg_body, prefill_leg_body, remote_prefill
+from router.flows.bodies import decode_leg_body, prefill_leg_body, remote_prefill
 
 CLIENT: dict[str, Any] = {
     "model": "m", "prompt": "hi", "max_tokens": 9, "stream": True, "min_tokens": 2,

@@ -9,9 +9,9 @@ from prometheus_client import CollectorRegistry
 
 from proxy import NotifyServer, ProxyConfig, ProxyMetrics
 from router.config import RouterConfig
-from router.flows_common import FlowMetrics, KVInfoCache
-from router.flows_notify import NotifyFlow
-from router.flows_push import PushFlow
+from router.flows.common import FlowMetrics, KVInfoCache
+from router.flows.notify import NotifyFlow
+from router.flows.push import PushFlow
 from router.orchestrator import Orchestrator, PDFlow
 
 __all__ = ["open_pd_flow"]

@@ -29,7 +29,7 @@ from router.engines import (
     rewrite_usage,
 )
 from router.errors import RouterError, error_json
-from router.leg_bodies import decode_leg_body
+from router.flows.bodies import decode_leg_body
 from router.metrics import RouterMetrics
 from router.pool import Endpoint, EndpointPool
 from router.schema import ClientRequest

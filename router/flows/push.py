@@ -5,7 +5,7 @@ for a push; D's leg names P's engine id and side channel (`POST /v1/kv/info`, ca
 engine). D allocates the prompt's blocks and registers them with P over NIXL; P WRITEs as
 soon as its prefill is done and D's registration is there (either may come first); D
 decodes when the KV has landed. TTFT ≈ max(prefill, D's admission) + WRITE; for streams
-that qualify (router/early_token.py) the client gets P's own token when P answers and D
+that qualify (router/flows/early_token.py) the client gets P's own token when P answers and D
 continues after it (D learns it from P's landed notice), so TTFT ≈ prefill + one hop.
 
 The P leg is watched until it answers: if it fails, the decode leg is cancelled (D drops its
@@ -26,11 +26,10 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from router.aborts import Aborter
-from router.early_token import eligible, first_token_ids, head_chunks
 from router.engines import EngineStream
 from router.errors import EngineError, EngineRejected, RouterError
-from router.failover import Exclusions, LegFailure, PullInstead, choose_prefill, run_or_pull
-from router.flows_common import (
+from router.flows.bodies import decode_leg_body, prefill_leg_body, remote_prefill
+from router.flows.common import (
     FlowMetrics,
     KVInfoCache,
     PrefillLeg,
@@ -38,7 +37,8 @@ from router.flows_common import (
     relay,
     rewrite_reply_usage,
 )
-from router.leg_bodies import decode_leg_body, prefill_leg_body, remote_prefill
+from router.flows.early_token import eligible, first_token_ids, head_chunks
+from router.flows.failover import Exclusions, LegFailure, PullInstead, choose_prefill, run_or_pull
 from router.orchestrator import Orchestrator, StreamResult
 from router.policies import PickContext, choose
 from router.pool import Endpoint
@@ -75,7 +75,7 @@ class PushFlow:
     async def _attempt(self, req: ClientRequest, ex: Exclusions,
                        t0: float) -> bytes | StreamResult:
         """One try on one P and one D; a failure before the client's first byte releases
-        what this attempt holds and raises `LegFailure` (router/failover.py)."""
+        what this attempt holds and raises `LegFailure` (router/flows/failover.py)."""
         o = self.orch
         ctx = PickContext.of(req)
         p_ep = await choose_prefill(o.pool, o.policies["prefill"], ctx, ex)
@@ -83,7 +83,7 @@ class PushFlow:
         info = await self._info_or_fail(p_ep, req)
         n = len(req.prompt_token_ids or ())
         # P's landed notice names its token: D can continue after it, so the client may
-        # get it from P's reply at once (router/early_token.py).
+        # get it from P's reply at once (router/flows/early_token.py).
         early = req.stream and self.early_first_token and info.get("landed_tokens") is True \
             and eligible(req)
         p_body = prefill_leg_body(req.body, {"pdgate_mode": MODE, "num_tokens": n})

@@ -19,6 +19,7 @@ import anyio.to_thread
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
+from router.aborts import Aborter
 from router.admin import install_admin_routes
 from router.admission import Admission
 from router.api import RouterState, StateHolder, install_error_handlers, install_routes
@@ -28,7 +29,8 @@ from router.dashboard import install_dashboard
 from router.discovery import KubernetesDiscovery
 from router.engines import EngineClient
 from router.errors import RouterError
-from router.flows.setup import open_pd_flow
+from router.flows.base import FlowParts
+from router.flows.setup import open_flows
 from router.health import HealthSettings
 from router.limits import InputLimits
 from router.metrics import RouterMetrics
@@ -61,7 +63,8 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with _serving_state(config, registry or CollectorRegistry(), tokenizer) as st:
+        async with _serving_state(config, registry or RouterMetrics.registry(),
+                                  tokenizer) as st:
             holder.set(st)
             try:
                 yield
@@ -116,13 +119,12 @@ async def _serving_state(
         checker = asyncio.create_task(pool.run_health_checks(probe, config.health_interval_s))
         stack.push_async_callback(_cancel, checker)
         routing = await open_routing(config, pool, metrics, stack)
-        orchestrator = Orchestrator(
-            pool, engines, routing.prefill, routing.decode, tokenizer, metrics,
-            decider=routing.decider, max_retries=config.max_retries,
-            retry_backoff_s=config.retry_backoff_s, kv_abort_timeout_s=config.kv_abort_timeout_s,
-        )
-        stack.push_async_callback(orchestrator.aclose)
-        orchestrator.pd_flow = await open_pd_flow(config, orchestrator, registry, stack)
+        aborter = Aborter(engines, metrics, config.kv_abort_timeout_s)
+        stack.push_async_callback(aborter.aclose)  # waits for pending KV aborts, bounded
+        parts = FlowParts(pool, engines, {"prefill": routing.prefill, "decode": routing.decode},
+                          metrics, aborter, config.max_retries, config.retry_backoff_s)
+        pull, pd_flow = await open_flows(config, parts, registry, stack)
+        orchestrator = Orchestrator(tokenizer, metrics, pull, pd_flow, routing.decider)
         yield RouterState(config, metrics, registry, pool, orchestrator, int(time.time()),
                           _admission(config, metrics), InputLimits.from_config(config))
 
@@ -148,7 +150,8 @@ def _admission(config: RouterConfig, metrics: RouterMetrics) -> Admission:
         metrics.admission_queued.set(queued)
 
     return Admission(config.max_concurrent_requests, config.max_queued_requests,
-                     config.queue_timeout_s, on_change=gauges)
+                     config.queue_timeout_s, on_change=gauges,
+                     on_wait=metrics.observe_admission_wait)
 
 
 async def _start_discovery(

@@ -1,14 +1,13 @@
 """Failover shared by every flow: who is to blame for a failed leg, and another attempt.
 
-Pull retries each leg on its own (`Orchestrator._with_retry`). Notify and push send legs
-that depend on each other (D's reservation names P's write, D's leg names P's identity), so
-they retry a whole *attempt*: every engine state the failed attempt created is released by
-the flow first, then `with_failover` runs the attempt again on other engines, up to
-`--max-retries` more times, before any byte went to the client. Each attempt gets its own
-engine-side request id (`attempt_request`), so a late write or notice of a failed attempt
-can never meet the next one.
-
-Both share `note_failure` (the breaker's verdict on a failed leg) and the jittered backoff.
+One retry loop, `with_failover`, serves every flow. Pull retries each leg on its own
+(`run_leg`: choose → call → record success/failure on the breaker → another engine). Notify
+and push send legs that depend on each other (D's reservation names P's write, D's leg names
+P's identity), so they retry a whole *attempt*: every engine state the failed attempt created
+is released by the flow first, then `with_failover` runs the attempt again on other engines,
+up to `--max-retries` more times, before any byte went to the client. Their attempts get
+their own engine-side request id (`attempt_request`), so a late write or notice of a failed
+attempt can never meet the next one.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from router.errors import (
     NoEndpointAvailable,
     RouterError,
 )
+from router.flows.base import FlowParts
 from router.health import backoff_s
 from router.metrics import RouterMetrics
 from router.policies import PickContext, Selector, choose
@@ -33,7 +33,7 @@ from router.pool import Endpoint, EndpointPool, Role
 from router.schema import ClientRequest
 
 __all__ = ["Exclusions", "LegFailure", "PullInstead", "attempt_request", "choose_prefill",
-           "note_failure", "run_or_pull", "with_failover"]
+           "note_failure", "run_leg", "run_or_pull", "with_failover"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -88,17 +88,18 @@ def attempt_request(req: ClientRequest, attempt: int) -> ClientRequest:
 
 async def with_failover(
     req: ClientRequest, run: Callable[[ClientRequest, Exclusions], Awaitable[T]], *,
-    max_retries: int, retry_backoff_s: float, metrics: RouterMetrics,
+    max_retries: int, retry_backoff_s: float, metrics: RouterMetrics, fresh_ids: bool = True,
 ) -> T:
     """`run(attempt_req, exclusions)`, again on other engines after a `LegFailure` that
-    `note_failure` deems retryable, up to `max_retries` more times."""
+    `note_failure` deems retryable, up to `max_retries` more times. `fresh_ids`: later
+    attempts get their own engine-side request id (`attempt_request`)."""
     excluded = Exclusions()
     last: RouterError | None = None
     for attempt in range(max_retries + 1):
         if attempt:
             await asyncio.sleep(backoff_s(attempt, retry_backoff_s))
         try:
-            return await run(attempt_request(req, attempt), excluded)
+            return await run(attempt_request(req, attempt) if fresh_ids else req, excluded)
         except NoEndpointAvailable:
             if last is None:
                 raise
@@ -110,8 +111,8 @@ async def with_failover(
                 raise failure.error from None
             excluded.of(failure.role).append(failure.ep)
             metrics.retries.labels(failure.role).inc()
-            log.warning("request %s: %s leg failed on %s (%s); retrying the attempt on "
-                        "other engines", req.request_id, failure.role, failure.ep.url,
+            log.warning("request %s: %s leg failed on %s (%s); retrying on "
+                        "another engine", req.request_id, failure.role, failure.ep.url,
                         failure.error.message)
     raise AssertionError("unreachable")
 
@@ -145,3 +146,37 @@ async def run_or_pull(
                                    retry_backoff_s=retry_backoff_s, metrics=metrics)
     except PullInstead:
         return None
+
+
+async def run_leg(
+    parts: FlowParts, role: Role, req: ClientRequest, call: Callable[[Endpoint], Awaitable[T]],
+    *, reuse: Callable[[], bool] | None = None, stream: bool = False,
+) -> T:
+    """One leg on a `role` engine through `with_failover`: choose (skipping engines that
+    failed this request) → `call` → the breaker's verdict → another engine. When no untried
+    engine is left and `reuse()` says the next body differs (decode without the KV params a
+    dead P could not serve), an engine already tried may serve it. A stream's success is
+    recorded when it ends (the engines' stream listener), not here."""
+    ctx = PickContext.of(req)
+    policy = parts.policies[role]
+
+    async def attempt(r: ClientRequest, ex: Exclusions) -> T:
+        tried = ex.of(role)
+        try:
+            ep = await choose(parts.pool, role, policy, ctx, exclude=tried)
+        except NoEndpointAvailable:
+            if not tried or reuse is None or not reuse():
+                raise
+            ep = await choose(parts.pool, role, policy, ctx)
+        try:
+            result = await call(ep)
+        except RouterError as exc:
+            raise LegFailure(role, ep, exc) from None
+        if not stream:
+            ep.health.record_success()
+        r.served_by[role] = ep.url
+        return result
+
+    return await with_failover(req, attempt, max_retries=parts.max_retries,
+                               retry_backoff_s=parts.retry_backoff_s, metrics=parts.metrics,
+                               fresh_ids=False)

@@ -44,6 +44,7 @@ from router.errors import (
     Overloaded,
     RouterError,
 )
+from router.flows.base import FlowParts, StreamResult
 from router.flows.bodies import decode_leg_body, prefill_leg_body, remote_prefill
 from router.flows.common import (
     FlowMetrics,
@@ -54,7 +55,6 @@ from router.flows.common import (
 )
 from router.flows.early_token import eligible, first_token_ids, head_chunks
 from router.flows.failover import Exclusions, LegFailure, PullInstead, choose_prefill, run_or_pull
-from router.orchestrator import Orchestrator, StreamResult
 from router.policies import PickContext, choose
 from router.pool import Endpoint
 from router.schema import ClientRequest
@@ -70,7 +70,7 @@ _REPLY_AFTER_KV_S = 1.0  # P's reply trails its KV-ready notice by ~ms; past thi
 class NotifyFlow:
     """Runs disaggregated requests in notify mode. Built once per app, in the lifespan."""
 
-    def __init__(self, orch: Orchestrator, proxy: NotifyServer, metrics: FlowMetrics,
+    def __init__(self, orch: FlowParts, proxy: NotifyServer, metrics: FlowMetrics,
                  aborter: Aborter, kv_ready_timeout_s: float, *,
                  early_first_token: bool = True) -> None:
         self.orch = orch

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from router.aborts import Aborter
 from router.engines import EngineStream
 from router.errors import EngineError, EngineRejected, RouterError
+from router.flows.base import FlowParts, StreamResult
 from router.flows.bodies import decode_leg_body, prefill_leg_body, remote_prefill
 from router.flows.common import (
     FlowMetrics,
@@ -39,7 +40,6 @@ from router.flows.common import (
 )
 from router.flows.early_token import eligible, first_token_ids, head_chunks
 from router.flows.failover import Exclusions, LegFailure, PullInstead, choose_prefill, run_or_pull
-from router.orchestrator import Orchestrator, StreamResult
 from router.policies import PickContext, choose
 from router.pool import Endpoint
 from router.schema import ClientRequest
@@ -54,7 +54,7 @@ MODE = "push"
 class PushFlow:
     """Runs disaggregated requests in push mode. Built once per app, in the lifespan."""
 
-    def __init__(self, orch: Orchestrator, metrics: FlowMetrics, aborter: Aborter,
+    def __init__(self, orch: FlowParts, metrics: FlowMetrics, aborter: Aborter,
                  info: KVInfoCache, *, early_first_token: bool = True,
                  kv_wait_s: float = 30.0) -> None:
         self.kv_wait_s = kv_wait_s  # D stops waiting for P's push after this (push_deadline)

@@ -1,5 +1,6 @@
-"""Builds the `--pd-mode` flow in the app's lifespan: the KV-ready proxy (notify mode) and
-the notify or push flow object the orchestrator hands disaggregated requests to."""
+"""Builds the flows in the app's lifespan: pull always (it also serves decode-only
+requests and what notify/push hand back), and the notify or push flow of `--pd-mode`, with
+the KV-ready proxy notify needs."""
 
 from __future__ import annotations
 
@@ -9,28 +10,29 @@ from prometheus_client import CollectorRegistry
 
 from proxy import NotifyServer, ProxyConfig, ProxyMetrics
 from router.config import RouterConfig
+from router.flows.base import Flow, FlowParts
 from router.flows.common import FlowMetrics, KVInfoCache
 from router.flows.notify import NotifyFlow
+from router.flows.pull import PullFlow
 from router.flows.push import PushFlow
-from router.orchestrator import Orchestrator, PDFlow
 
-__all__ = ["open_pd_flow"]
+__all__ = ["open_flows"]
 
 
-async def open_pd_flow(
-    config: RouterConfig, orch: Orchestrator, registry: CollectorRegistry,
+async def open_flows(
+    config: RouterConfig, parts: FlowParts, registry: CollectorRegistry,
     stack: contextlib.AsyncExitStack,
-) -> PDFlow | None:
-    """The flow for `config.pd_mode` (None for pull, which the orchestrator runs itself).
+) -> tuple[PullFlow, Flow]:
+    """The pull flow and the flow of `config.pd_mode` (the same object in pull mode).
     Notify mode starts the KV-ready proxy (its metrics on `registry`); `stack` stops it."""
+    pull = PullFlow(parts)
     if config.pd_mode == "pull":
-        return None
+        return pull, pull
     metrics = FlowMetrics.create(registry)
-    aborter = orch.aborter  # closed with the orchestrator
     if config.pd_mode == "push":
-        return PushFlow(orch, metrics, aborter, KVInfoCache(orch.engines),
-                        early_first_token=config.early_first_token,
-                        kv_wait_s=config.kv_ready_timeout_s)
+        return pull, PushFlow(parts, metrics, parts.aborter, KVInfoCache(parts.engines),
+                              early_first_token=config.early_first_token,
+                              kv_wait_s=config.kv_ready_timeout_s)
     proxy = NotifyServer(
         ProxyConfig(bind=config.notify_bind, advertise_host=config.notify_advertise_host,
                     notify_secret=config.notify_secret, ttl_s=config.notify_ttl_s,
@@ -39,5 +41,5 @@ async def open_pd_flow(
     )
     await proxy.start()
     stack.push_async_callback(proxy.close)
-    return NotifyFlow(orch, proxy, metrics, aborter, config.kv_ready_timeout_s,
-                      early_first_token=config.early_first_token)
+    return pull, NotifyFlow(parts, proxy, metrics, parts.aborter, config.kv_ready_timeout_s,
+                            early_first_token=config.early_first_token)

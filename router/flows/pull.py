@@ -1,0 +1,223 @@
+"""The pull flow (`--pd-mode pull`, vLLM NixlConnector; docs/flows.md), and the decode-only
+path every mode falls back to.
+
+Per request: prefill leg (one token; P keeps the prompt's KV and answers with its
+`kv_transfer_params`) → decode leg naming them (D READs the KV) → the answer, non-streaming
+or relayed as SSE. Each leg runs through `run_leg` (router/flows/failover.py): a retryable
+failure before any byte reached the client is tried on another engine of the same role.
+After the first byte, a failure ends the SSE stream with an error event and `[DONE]`.
+When no prefill engine is healthy the decode engine computes the prompt itself (counted).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from router.engines import (
+    EngineStream,
+    PrefillUsage,
+    extract_kv_params,
+    prefill_usage,
+    rewrite_usage,
+)
+from router.errors import EngineTimeout, EngineUnavailable, NoEndpointAvailable, RouterError
+from router.flows.base import FlowParts, StreamResult
+from router.flows.bodies import decode_leg_body, prefill_leg_body
+from router.flows.common import relay_chunks, rewrite_reply_usage
+from router.flows.failover import run_leg
+from router.pool import Endpoint
+from router.schema import ClientRequest
+from router.sse import UsageRewriter
+
+__all__ = ["PrefillOutcome", "PullFlow"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillOutcome:
+    """What the prefill leg produced: P's opaque KV params (None → fallback) and usage."""
+
+    kv_params: Any | None
+    usage: PrefillUsage | None
+
+
+class PullFlow:
+    """Runs requests in pull mode, and decode-only requests of every mode."""
+
+    def __init__(self, parts: FlowParts) -> None:
+        self.parts = parts
+
+    async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult:
+        """Serve a disaggregated request: prefill (or decode-only fallback), then decode."""
+        return await self._decode(req, await self.prefill_or_fallback(req), t0)
+
+    async def direct(self, req: ClientRequest, t0: float) -> bytes | StreamResult:
+        """Serve a request the decider kept on one engine: the decode engine alone."""
+        return await self._decode(req, None, t0)
+
+    async def _decode(self, req: ClientRequest, prefill: PrefillOutcome | None,
+                      t0: float) -> bytes | StreamResult:
+        mode = "disagg" if prefill is not None else "direct"
+        try:
+            if req.stream:
+                return await self.open_decode(req, prefill, t0, mode)
+            return await self.run_decode(req, prefill, t0, mode)
+        except BaseException:
+            # No decode leg will read P's blocks now (failed, cancelled, client gone).
+            self.abort_prefill(req, prefill)
+            raise
+
+    async def prefill_or_fallback(self, req: ClientRequest) -> PrefillOutcome | None:
+        """`run_prefill`, or None (decode-only, counted) when no prefill engine is healthy:
+        a P/D router must keep serving on its decode engines when every P is down."""
+        try:
+            return await self.run_prefill(req)
+        except (NoEndpointAvailable, EngineUnavailable) as exc:
+            if self.parts.pool.healthy("prefill"):
+                raise
+            self.parts.metrics.fallbacks.labels("no_prefill").inc()
+            log.warning("request %s: no healthy prefill engine (%s); decode engine computes "
+                        "the prompt", req.request_id, exc.message)
+            return None
+
+    def abort_prefill(self, req: ClientRequest, prefill: PrefillOutcome | None) -> None:
+        """Tell the P that served `req` to free the blocks it pinned for it (best effort,
+        in the background). No-op when P pinned nothing."""
+        url = req.served_by.get("prefill")
+        if prefill is not None and prefill.kv_params is not None and url is not None:
+            self.parts.aborter.abort(url, req.request_id)
+
+    async def run_prefill(self, req: ClientRequest) -> PrefillOutcome:
+        """P leg: send the one-token prefill and read P's KV params and usage."""
+        parts = self.parts
+        body = prefill_leg_body(req.body)
+        t0 = time.perf_counter()
+
+        async def call(ep: Endpoint) -> dict[str, Any]:
+            with parts.pool.track(ep):
+                try:
+                    return await parts.engines.post_json(
+                        ep.url, req.path, body, req.engine_headers)
+                except (asyncio.CancelledError, EngineTimeout):
+                    # P may still finish this prefill and pin blocks nobody will read.
+                    parts.aborter.abort(ep.url, req.request_id)
+                    raise
+
+        reply = await run_leg(parts, "prefill", req, call)
+        parts.metrics.prefill_duration.observe(time.perf_counter() - t0)
+        kv = extract_kv_params(reply)
+        if kv is None:
+            parts.metrics.fallbacks.labels("no_kv_params").inc()
+            log.warning("request %s: prefill returned no kv_transfer_params; decode will "
+                        "recompute the prompt", req.request_id)
+        return PrefillOutcome(kv, prefill_usage(reply))
+
+    async def run_decode(self, req: ClientRequest, prefill: PrefillOutcome | None,
+                         t0: float, mode: str) -> bytes:
+        """Non-streaming D leg; returns the body for the client with billing fixed."""
+        parts = self.parts
+        bodies = _DecodeBodies(self, req, prefill)
+
+        async def call(ep: Endpoint) -> bytes:
+            with parts.pool.track(ep), bodies.attempt() as body:
+                return await parts.engines.post_raw(ep.url, req.path, body, req.engine_headers)
+
+        raw = await run_leg(parts, "decode", req, call, reuse=bodies.take_fresh)
+        bodies.settle(prefill)
+        parts.metrics.child(parts.metrics.ttft, mode).observe(time.perf_counter() - t0)
+        usage_from_p = _usage_to_apply(bodies.prefill)
+        if usage_from_p is None:
+            return raw
+        return rewrite_reply_usage(raw, usage_from_p)
+
+    async def open_decode(self, req: ClientRequest, prefill: PrefillOutcome | None,
+                          t0: float, mode: str) -> StreamResult:
+        """Streaming D leg: open the stream (retrying before any byte), then relay it."""
+        parts = self.parts
+        bodies = _DecodeBodies(self, req, prefill)
+
+        async def call(ep: Endpoint) -> tuple[EngineStream, contextlib.ExitStack]:
+            stack = contextlib.ExitStack()
+            stack.enter_context(parts.pool.track(ep))
+            try:
+                with bodies.attempt() as body:
+                    stream = await parts.engines.open_stream(
+                        ep.url, req.path, body, req.engine_headers)
+                    # vLLM reports a decode it cannot start as 200 + an SSE error event.
+                    await stream.check_start(parts.engines.first_byte_timeout_s)
+            except BaseException:
+                stack.close()
+                raise
+            stack.callback(stream.close)
+            return stream, stack
+
+        stream, stack = await run_leg(parts, "decode", req, call, reuse=bodies.take_fresh,
+                                      stream=True)
+        bodies.settle(prefill)
+        usage = _usage_to_apply(bodies.prefill) if req.wants_usage_chunks else None
+        chunks = self._relay(stream, usage, t0, mode)
+        return StreamResult(chunks, stack.close)
+
+    async def _relay(self, stream: EngineStream, usage: PrefillUsage | None, t0: float,
+                     mode: str) -> AsyncGenerator[bytes, None]:
+        """D's SSE bytes as they arrive; only usage chunks are rewritten (line-buffered)."""
+        rewriter = UsageRewriter(lambda u: rewrite_usage(u, usage)) if usage else None
+        async for out in relay_chunks(stream.chunks(), rewriter, self.parts.metrics, t0, mode):
+            yield out
+
+
+class _DecodeBodies:
+    """The decode leg's body per attempt. P's KV params may be read once: after an attempt
+    that reached a D (anything but a refused connection) that D may have read and released
+    P's blocks, so a retry on another D must not read them again (they may hold another
+    request's KV by then). Retries then carry no params, D recomputes the prompt (counted as
+    a `decode_retry` fallback) and P is told to free whatever it still pins (`settle`)."""
+
+    def __init__(self, flow: PullFlow, req: ClientRequest,
+                 prefill: PrefillOutcome | None) -> None:
+        self._flow, self._req = flow, req
+        self.prefill = prefill
+        self._body = decode_leg_body(req.body, prefill.kv_params if prefill else None)
+        self._fresh = False  # the params were just dropped; no attempt has run without them
+
+    @contextlib.contextmanager
+    def attempt(self) -> Iterator[bytes]:
+        self._fresh = False  # this attempt runs the current body
+        try:
+            yield self._body
+        except RouterError as exc:
+            if isinstance(exc, EngineUnavailable) and exc.connect_failed:
+                raise
+            if self.prefill is not None and self.prefill.kv_params is not None:
+                self._flow.parts.metrics.fallbacks.labels("decode_retry").inc()
+                self.prefill = None  # billing: D's own usage from now on
+                self._body = decode_leg_body(self._req.body, None)
+                self._fresh = True
+            raise
+
+    def take_fresh(self) -> bool:
+        """True once after the KV params were dropped: the recompute body has not run on
+        any engine yet, so even the D that failed on the params may serve it (its failure
+        may be P's: P died before D read the KV). Bounds that to one extra attempt."""
+        fresh, self._fresh = self._fresh, False
+        return fresh
+
+    def settle(self, prefill: PrefillOutcome | None) -> None:
+        """After a successful decode: free P's blocks if the retry did not use them (on
+        failure `PullFlow._decode` does it)."""
+        if self.prefill is not prefill:
+            self._flow.abort_prefill(self._req, prefill)
+
+
+def _usage_to_apply(prefill: PrefillOutcome | None) -> PrefillUsage | None:
+    # After a fallback D computed the prompt itself, so D's own usage is already right.
+    if prefill is None or prefill.kv_params is None:
+        return None
+    return prefill.usage

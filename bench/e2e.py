@@ -6,7 +6,8 @@ is the same cluster shape with `--disagg-min-tokens` above every prompt, so each
 runs on the decode engine alone behind the same router. The load: `--requests` streaming
 completions at `--concurrency`, each a distinct ~`--prompt-tokens` prompt and
 `--max-tokens` greedy tokens (ignore_eos), after a warm-up. TTFT is client send -> first
-content chunk; latency is send -> [DONE]; req/s is requests / wall time.
+content chunk; latency is send -> [DONE]; req/s is requests / wall time. The last two
+columns are each mode's TTFT p50 and latency p50 as a ratio to pull's.
 
     python bench/e2e.py [--requests 64] [--concurrency 4] [--prompt-tokens 480] [--json]
 
@@ -151,17 +152,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for f in figures.values():
         if pull:
             f["ttft_vs_pull"] = f["ttft_p50_ms"] / pull["ttft_p50_ms"]
+            f["latency_vs_pull"] = f["latency_p50_ms"] / pull["latency_p50_ms"]
     return figures
 
 
 def table(figures: dict[str, Any]) -> str:
     head = (f"{'mode':<10} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} {'lat p50 ms':>11} "
-            f"{'req/s':>7} {'TTFT/pull':>10}")
+            f"{'req/s':>7} {'TTFT/pull':>10} {'lat/pull':>9}")
     rows = [head, "-" * len(head)]
     for mode, f in figures.items():
         rows.append(f"{mode:<10} {f['ttft_p50_ms']:>12.1f} {f['ttft_p90_ms']:>12.1f} "
                     f"{f['latency_p50_ms']:>11.1f} {f['req_per_s']:>7.2f} "
-                    f"{f.get('ttft_vs_pull', float('nan')):>10.2f}")
+                    f"{f.get('ttft_vs_pull', float('nan')):>10.2f} "
+                    f"{f.get('latency_vs_pull', float('nan')):>9.2f}")
     return "\n".join(rows)
 
 

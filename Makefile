@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test lint typecheck pytest bench clean test-vllm
+.PHONY: run test lint typecheck pytest bench clean test-vllm promtool
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,7 +24,19 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-pytest: $(STAMP)
+# promtool checks the router's and the shim's /metrics in tests/observability. Taken out of
+# Debian's prometheus package with dpkg-deb (no service installed or started); only as root,
+# like the Debian packages .ci/run installs. Without it those checks are skipped.
+PROMTOOL := .cache/promtool/promtool
+promtool:
+	@if ! command -v promtool >/dev/null && [ ! -x $(PROMTOOL) ] && [ "$$(id -u)" = 0 ]; then \
+	  tmp=$$(mktemp -d) && chmod 755 $$tmp && \
+	  (cd $$tmp && { apt-get download prometheus || { apt-get update -qq && apt-get download prometheus; }; }) >/dev/null && \
+	  dpkg-deb -x $$tmp/prometheus_*.deb $$tmp/root && mkdir -p $(dir $(PROMTOOL)) && \
+	  cp $$tmp/root/usr/bin/promtool $(PROMTOOL); rm -rf $$tmp; \
+	fi
+
+pytest: $(STAMP) promtool
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 test: lint typecheck pytest

@@ -6,12 +6,22 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from proxy.metrics import NoCreatedRegistry
+
 _P = "pdgate_shim_"
+
+# Seconds. A transfer between two GPUs on one host takes tens of microseconds; one over a
+# slow network or a stalled peer, seconds.
+_TRANSFER_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+    0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)
 
 
 @dataclass(frozen=True)
 class ShimMetrics:
-    """Built once per engine process (or per test) and passed to the parts that record."""
+    """Built once per engine process (or per test) and passed to the parts that record.
+    The default registry leaves `*_created` series out of the scrape."""
 
     registry: CollectorRegistry
     requests: Counter
@@ -38,7 +48,7 @@ class ShimMetrics:
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ShimMetrics:
-        reg = registry or CollectorRegistry()
+        reg = registry if registry is not None else NoCreatedRegistry()
         return cls(
             registry=reg,
             requests=Counter(_P + "requests", "Requests served", ["role", "status"], registry=reg),
@@ -46,7 +56,10 @@ class ShimMetrics:
             generation_tokens=Counter(
                 _P + "generation_tokens", "Tokens generated", registry=reg
             ),
-            blocks_total=Gauge(_P + "kv_blocks_total", "KV blocks in the pool", registry=reg),
+            # Not `_total`: that suffix means a counter to Prometheus tooling.
+            blocks_total=Gauge(
+                _P + "kv_blocks_capacity", "KV blocks in the pool", registry=reg
+            ),
             blocks_free=Gauge(_P + "kv_blocks_free", "KV blocks free", registry=reg),
             blocks_leased=Gauge(
                 _P + "kv_blocks_leased", "KV blocks pinned for a remote decode", registry=reg
@@ -56,8 +69,7 @@ class ShimMetrics:
             ),
             kv_transfer_seconds=Histogram(
                 _P + "kv_transfer_seconds", "Duration of one request's KV transfer", ["op"],
-                buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
-                registry=reg,
+                buckets=_TRANSFER_BUCKETS, registry=reg,
             ),
             kv_transfers=Counter(_P + "kv_transfers", "KV transfers done", ["op"], registry=reg),
             kv_transfer_failures=Counter(

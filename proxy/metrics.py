@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
 
 _P = "pdgate_proxy_"
+
+
+class NoCreatedRegistry(CollectorRegistry):
+    """A registry whose scrape leaves out the `*_created` series prometheus_client adds to
+    every counter and histogram child. They double the series count, dashboards never use
+    them, and the library's own switch (`disable_created_metrics()` or
+    PROMETHEUS_DISABLE_CREATED_SERIES) is process-global: two apps in one test process
+    would fight over it. Every pdgate process builds its metrics on one of these."""
+
+    def collect(self) -> Iterable[Metric]:
+        for family in super().collect():
+            family.samples = [s for s in family.samples if not s.name.endswith("_created")]
+            yield family
 
 # Wake latency is tens of microseconds when healthy; the fine low buckets make p50/p99
 # readable from the exposition, the tail ones show event-loop stalls.
@@ -62,7 +76,7 @@ class ProxyMetrics:
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ProxyMetrics:
-        reg = registry if registry is not None else CollectorRegistry()
+        reg = registry if registry is not None else NoCreatedRegistry()
         return cls(
             registry=reg,
             messages=Counter(

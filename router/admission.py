@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -43,6 +44,10 @@ class Admission:
 
     `max_concurrent` > 0 slots; `max_queued` >= 0 waiters; `queue_timeout_s` > 0 seconds.
     `on_change(active, queued)` (optional) is called after every change, for gauges.
+    `on_wait(outcome, seconds)` (optional) is called once per request that got a slot or
+    queued for one: outcome `admitted` (seconds 0 when a slot was free), `timeout` or
+    `cancelled` (the client left while queued). A request refused because the queue was
+    full never waited and is not reported.
     """
 
     def __init__(
@@ -51,6 +56,7 @@ class Admission:
         max_queued: int,
         queue_timeout_s: float,
         on_change: Callable[[int, int], None] | None = None,
+        on_wait: Callable[[str, float], None] | None = None,
     ) -> None:
         self.max_concurrent = max_concurrent
         self.max_queued = max_queued
@@ -58,6 +64,7 @@ class Admission:
         self.active = 0
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._on_change = on_change
+        self._on_wait = on_wait
         # What a refused client should wait before trying again: about one queue timeout
         # when the queue is full, capped so clients come back soon.
         self.retry_after_s = max(1, min(30, math.ceil(queue_timeout_s)))
@@ -73,6 +80,7 @@ class Admission:
         if self.active < self.max_concurrent and not self._waiters:
             self.active += 1
             self._changed()
+            self._waited("admitted", 0.0)
             return Slot(self._release)
         if len(self._waiters) >= self.max_queued:
             raise Overloaded("the router is at capacity; retry later",
@@ -80,17 +88,21 @@ class Admission:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(fut)
         self._changed()
+        queued_at = time.perf_counter()
         try:
             async with asyncio.timeout(self.queue_timeout_s):
                 await fut
         except BaseException as exc:
             self._abandon(fut)
+            self._waited("timeout" if isinstance(exc, TimeoutError) else "cancelled",
+                         time.perf_counter() - queued_at)
             if isinstance(exc, TimeoutError):
                 raise Overloaded(
                     f"no capacity within the queue timeout ({self.queue_timeout_s:g} s)",
                     retry_after_s=self.retry_after_s, reason="queue_timeout",
                 ) from None
             raise
+        self._waited("admitted", time.perf_counter() - queued_at)
         return Slot(self._release)
 
     def _abandon(self, fut: asyncio.Future[None]) -> None:
@@ -113,6 +125,10 @@ class Admission:
                 return
         self.active -= 1
         self._changed()
+
+    def _waited(self, outcome: str, seconds: float) -> None:
+        if self._on_wait is not None:
+            self._on_wait(outcome, seconds)
 
     def _changed(self) -> None:
         if self._on_change is not None:

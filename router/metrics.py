@@ -2,24 +2,37 @@
 
 `RouterMetrics.create(registry)` registers everything; nothing is module-global, so two apps
 in one process (tests) never collide. Callers record at the boundary: the API layer counts
-requests, the orchestrator times legs and counts decisions, the pool keeps the gauges.
+requests, the flows time legs and count decisions, the pool keeps the gauges, admission
+times the queue. Two helpers take whole facts so callers need no label bookkeeping:
+`observe_ttft(mode, arrival)` and `observe_usage(model, usage)`.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from proxy.metrics import NoCreatedRegistry
+from router import request_context
+
 M = TypeVar("M", Counter, Gauge, Histogram)
 
-__all__ = ["RouterMetrics"]
+__all__ = ["NoCreatedRegistry", "RouterMetrics"]
 
 # Seconds. TTFT/prefill span sub-millisecond fakes to multi-second real prompts.
 _LATENCY_BUCKETS = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )
+# A whole request: a long generation streams for many minutes, and one that lands in +Inf
+# makes every quantile above it unreadable. Up to four hours.
+_DURATION_BUCKETS = _LATENCY_BUCKETS + (120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0,
+                                        14400.0)
+# Waiting for an admission slot: zero when there is capacity, up to the queue timeout.
+_QUEUE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                  30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 
 
@@ -28,8 +41,11 @@ class RouterMetrics:
     """Handles to every router metric. Label names are documented on each field."""
 
     requests: Counter  # route, status
-    request_duration: Histogram  # route
-    ttft: Histogram  # mode: dispatch -> first decode byte
+    request_duration: Histogram  # route: arrival -> last byte sent
+    ttft: Histogram  # mode: arrival at the router -> first decode byte (see observe_ttft)
+    admission_wait: Histogram  # outcome (admitted | timeout | cancelled): time in the queue
+    prompt_tokens: Counter  # model: prompt tokens of served requests (from usage)
+    generation_tokens: Counter  # model: completion tokens of served requests (from usage)
     inter_token_latency: Histogram  # gap between streamed chunks from decode
     prefill_duration: Histogram  # prefill leg round trip
     fallbacks: Counter  # reason
@@ -59,6 +75,44 @@ class RouterMetrics:
             found = self._children[key] = metric.labels(*labels)
         return found  # type: ignore[no-any-return]
 
+    def observe_ttft(self, mode: str, arrival: float, now: float | None = None) -> None:
+        """Record one request's time to first token: from `arrival` (`time.perf_counter()`
+        when the request reached the router, before its body was read and before any
+        admission queue) to `now` (default: the current time), when the first decode byte
+        arrived. `mode` is the flow that served it (label). Also noted on the request's
+        access-log line."""
+        ttft = (time.perf_counter() if now is None else now) - arrival
+        self.child(self.ttft, mode).observe(ttft)
+        record = request_context.current()
+        if record is not None:
+            record.mode = mode
+            record.ttft_s = ttft
+
+    def observe_usage(self, model: str, usage: object) -> None:
+        """Count one finished request's tokens from its final OpenAI `usage` object
+        (`prompt_tokens`, `completion_tokens`; missing or non-integer fields count 0) under
+        the served `model` name. Call once per request, with the usage the client got."""
+        if not isinstance(usage, dict):
+            return
+        prompt, completion = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
+        if prompt:
+            self.child(self.prompt_tokens, model).inc(prompt)
+        if completion:
+            self.child(self.generation_tokens, model).inc(completion)
+        record = request_context.current()
+        if record is not None:
+            record.model = model
+            record.prompt_tokens, record.completion_tokens = prompt, completion
+
+    def observe_admission_wait(self, outcome: str, seconds: float) -> None:
+        """Record how long one request waited for an admission slot (0 when one was free)."""
+        self.child(self.admission_wait, outcome).observe(seconds)
+
+    @staticmethod
+    def registry() -> CollectorRegistry:
+        """A fresh registry for one app's metrics (no `*_created` series in its scrape)."""
+        return NoCreatedRegistry()
+
     @classmethod
     def create(cls, registry: CollectorRegistry) -> RouterMetrics:
         """Register all metrics on `registry` (one registry per app)."""
@@ -70,11 +124,25 @@ class RouterMetrics:
             ),
             request_duration=Histogram(
                 "pdgate_request_duration_seconds", "End-to-end request time", ["route"],
-                buckets=_LATENCY_BUCKETS, registry=r,
+                buckets=_DURATION_BUCKETS, registry=r,
             ),
             ttft=Histogram(
-                "pdgate_ttft_seconds", "Dispatch to first byte from the decode engine",
+                "pdgate_ttft_seconds",
+                "Request arrival at the router to the first byte from the decode engine",
                 ["mode"], buckets=_LATENCY_BUCKETS, registry=r,
+            ),
+            admission_wait=Histogram(
+                "pdgate_admission_wait_seconds",
+                "Time a request waited for an admission slot, by outcome", ["outcome"],
+                buckets=_QUEUE_BUCKETS, registry=r,
+            ),
+            prompt_tokens=Counter(
+                "pdgate_prompt_tokens", "Prompt tokens of served requests", ["model"],
+                registry=r,
+            ),
+            generation_tokens=Counter(
+                "pdgate_generation_tokens", "Completion tokens of served requests", ["model"],
+                registry=r,
             ),
             inter_token_latency=Histogram(
                 "pdgate_inter_token_latency_seconds", "Gap between streamed decode chunks",
@@ -149,3 +217,8 @@ class RouterMetrics:
                 ["role"], registry=r,
             ),
         )
+
+
+def _count(usage: dict[str, object], key: str) -> int:
+    value = usage.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

@@ -257,7 +257,7 @@ def pools_full(engines: list[Engine], timeout: float) -> list[tuple[float, float
     states: list[tuple[float, float, float]] = []
     while time.monotonic() < deadline:
         states = [(metric(e.url, "pdgate_shim_kv_blocks_free"),
-                   metric(e.url, "pdgate_shim_kv_blocks_total"),
+                   metric(e.url, "pdgate_shim_kv_blocks_capacity"),
                    metric(e.url, "pdgate_shim_kv_blocks_leased")) for e in engines]
         if all(free == total and leased == 0 for free, total, leased in states):
             return states

@@ -201,7 +201,7 @@ def complete(url: str, prompt: str, max_tokens: int = 24,
 
 def pool_states(c: Cluster) -> list[tuple[float, float, float]]:
     """(free, total, leased) KV blocks of every engine, from their metrics."""
-    return [(metric(u, "pdgate_shim_kv_blocks_free"), metric(u, "pdgate_shim_kv_blocks_total"),
+    return [(metric(u, "pdgate_shim_kv_blocks_free"), metric(u, "pdgate_shim_kv_blocks_capacity"),
              metric(u, "pdgate_shim_kv_blocks_leased")) for u in c.prefill + c.decode]
 
 

@@ -50,7 +50,7 @@ class Shim:
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             free = self.metric("pdgate_shim_kv_blocks_free")
-            if free == self.metric("pdgate_shim_kv_blocks_total"):
+            if free == self.metric("pdgate_shim_kv_blocks_capacity"):
                 return
             time.sleep(0.05)
         pytest.fail(f"block pool not back to full: {free} of {NUM_BLOCKS} free")

@@ -21,6 +21,7 @@ from engine_shim import credentials
 from engine_shim.body_limit import DEFAULT_MAX_BODY_BYTES
 from engine_shim.engine import Engine, EngineConfig
 from engine_shim.kv_layout import LAYOUTS
+from engine_shim.logs import LOG_FORMATS, RequestIdMiddleware, setup_logging
 from engine_shim.metrics import ShimMetrics
 from engine_shim.server import ConnectorFactory, ManagedConnector, ServerSettings, create_app
 
@@ -116,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"], help="log level")
+    p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
+                   help="log lines as text or one JSON object each")
     _add_kv_timing(p)
     return p
 
@@ -253,8 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         edge, notify_secret = secured_settings(args, os.environ)
     except credentials.CredentialError as e:
         parser.error(str(e))
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(args.log_level, args.log_format)
     try:
         engine = Engine.load(engine_config(args), ShimMetrics.create())
     except (ValueError, OSError) as e:
@@ -280,10 +282,11 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     config = uvicorn.Config(
-        create_app(engine, connector_factory=factory, settings=edge), host=args.host,
-        port=args.port,
+        RequestIdMiddleware(create_app(engine, connector_factory=factory, settings=edge)),
+        host=args.host, port=args.port,
         loop="uvloop", http="httptools", log_level=args.log_level,
         timeout_graceful_shutdown=args.graceful_shutdown_timeout, access_log=False,
+        log_config=None,
     )
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal with the
     # previous handlers restored; these turn that into a clean exit status 0.

@@ -121,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="engines record a digest of every KV transfer (GET /debug/kv_transfers)",
     )
     p.add_argument("--log-dir", default=None, help="where process logs go (default: a temp dir)")
+    p.add_argument("--log-format", choices=["text", "json"], default="text",
+                   help="log format of the router and the engines (their --log-format)")
     p.add_argument(
         "--startup-timeout", type=float, default=180.0,
         help="seconds to wait for every process to become ready",
@@ -147,6 +149,7 @@ def _engine_argv(args: argparse.Namespace, model: str, name: str, i: int) -> lis
         argv += ["--dtype", args.dtype]
     if args.kv_digests:
         argv.append("--kv-digests")
+    argv += ["--log-format", args.log_format]
     if args.notify_secret:
         argv += ["--notify-secret", args.notify_secret]
     extra: list[str] = args.engine_arg
@@ -160,7 +163,7 @@ def _router_argv(args: argparse.Namespace, model_dir: str, engines: list[Child])
         sys.executable, "-m", "router", "--host", args.host, "--port", str(args.port),
         "--model", model_dir, "--served-model-name", _served_name(args),
         "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy,
-        "--pd-mode", args.pd_mode,
+        "--pd-mode", args.pd_mode, "--log-format", args.log_format,
     ]
     if args.notify_secret:
         argv += ["--notify-secret", args.notify_secret]

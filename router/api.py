@@ -26,6 +26,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from router import request_context
 from router.admission import Admission
 from router.client_deadlines import SlowReader, WriteDeadlineSend, read_body_within
 from router.config import RouterConfig
@@ -209,6 +210,7 @@ def _completion_handler(
         st = holder.state
         t0 = time.perf_counter()
         ids = _Ids(new_internal_id(), client_request_id(request.headers.get("x-request-id")))
+        request_context.bind_ids(ids.internal, ids.client)  # for log lines and access line
         cfg = st.config
         try:
             # The body first, under its deadlines: a client trickling its upload must not

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from router.aborts import Aborter
+from router.access_log import AccessLogMiddleware
 from router.admin import install_admin_routes
 from router.admission import Admission
 from router.api import RouterState, StateHolder, install_error_handlers, install_routes
@@ -85,6 +86,7 @@ def create_app(
             AuthMiddleware, api_keys=config.client_api_keys,
             admin_api_key=config.admin_api_key,
         )
+    app.add_middleware(AccessLogMiddleware, pd_mode=config.pd_mode)  # outermost: sees 401s
     return app
 
 

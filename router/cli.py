@@ -8,7 +8,6 @@ Precedence, later wins: defaults < `--config` YAML < `PDGATE_*` environment vari
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import signal
 import sys
@@ -18,6 +17,7 @@ from typing import Any
 import msgspec
 
 from router.config import ConfigError, RouterConfig, load_config
+from router.logs import setup_logging
 from router.settings_env import env_overrides
 
 __all__ = ["build_parser", "main"]
@@ -27,7 +27,7 @@ _DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(RouterConfig)}
 _METAVARS = {
     "model": "PATH_OR_NAME", "tokenizer": "PATH_OR_NAME", "prefill": "URL", "decode": "URL",
     "served_model_name": "NAME", "pd_mode": "MODE", "prefill_policy": "POLICY",
-    "decode_policy": "POLICY", "host": "ADDR", "log_level": "LEVEL",
+    "decode_policy": "POLICY", "host": "ADDR", "log_level": "LEVEL", "log_format": "FORMAT",
     "discovery": "MODE", "namespace": "NAME", "prefill_selector": "LABELS",
     "decode_selector": "LABELS", "prefill_port": "PORT", "decode_port": "PORT",
     "engine_scheme": "SCHEME", "k8s_api_url": "URL",
@@ -69,6 +69,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("max_body_bytes", int, "largest accepted request body in bytes (larger: 413)"),
     ("shutdown_timeout_s", float, "seconds to let in-flight requests finish on shutdown"),
     ("log_level", str, "critical | error | warning | info | debug"),
+    ("log_format", str, "log lines as text or as one JSON object each (with the request id; "
+                        "one access line per request): text | json"),
     ("prefix_block_size", int, "engines' KV block size in tokens, used to hash prompt "
                                "prefixes for prefix-aware routing"),
     ("prefix_index_max_blocks", int, "bound of each prefix index in (engine, block) "
@@ -195,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import uvicorn
 
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(config.log_level, config.log_format)  # uvicorn's loggers folded in
     # uvicorn re-raises the SIGINT/SIGTERM it caught once its graceful shutdown is done,
     # restoring the handlers it found first; these make that re-raise a no-op, so a
     # requested shutdown exits 0 instead of dying by signal or with a KeyboardInterrupt.
@@ -208,6 +209,6 @@ def main(argv: list[str] | None = None) -> int:
         app, host=config.host, port=config.port, loop="auto",
         http=header_deadline_protocol(config.header_timeout_s),
         timeout_graceful_shutdown=int(config.shutdown_timeout_s + 0.999),
-        log_level=config.log_level, access_log=False,
+        log_level=config.log_level, access_log=False, log_config=None,
     )
     return 0

@@ -74,6 +74,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_body_bytes: int = 4 * MIB
     shutdown_timeout_s: float = 10.0
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    log_format: Literal["text", "json"] = "text"  # router/logs.py
     # Engine discovery: `static` uses only `prefill`/`decode`; `k8s` also watches pods
     # matching the selectors (label selector syntax) and routes to the ready ones.
     discovery: Literal["static", "k8s"] = "static"

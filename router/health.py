@@ -115,7 +115,7 @@ class EngineHealth:
         """A leg on this engine worked (or failed only by the client's fault)."""
         self.consecutive_errors = 0
         if self._opened_at is not None:
-            log.warning("engine %s: circuit breaker closed (trial request succeeded)", self.name)
+            log.info("engine %s: circuit breaker closed (trial request succeeded)", self.name)
             self._opened_at = None
             self._half_open = False
 

@@ -104,6 +104,14 @@ class RouterMetrics:
             record.model = model
             record.prompt_tokens, record.completion_tokens = prompt, completion
 
+    def count_fallback(self, reason: str) -> None:
+        """Count one decode leg run without KV from prefill (`reason`: label) and note it
+        on the request's access-log line."""
+        self.child(self.fallbacks, reason).inc()
+        record = request_context.current()
+        if record is not None:
+            record.fallback = reason
+
     def observe_admission_wait(self, outcome: str, seconds: float) -> None:
         """Record how long one request waited for an admission slot (0 when one was free)."""
         self.child(self.admission_wait, outcome).observe(seconds)

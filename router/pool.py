@@ -49,8 +49,9 @@ class Endpoint:
     def set_healthy(self, healthy: bool) -> None:
         """Record a health verdict (logs transitions, updates the gauge)."""
         if healthy != self.healthy:
-            log.warning("engine %s (%s) is now %s", self.url, self.role,
-                        "healthy" if healthy else "UNHEALTHY")
+            log.log(logging.INFO if healthy else logging.WARNING,  # recovery is good news
+                    "engine %s (%s) is now %s", self.url, self.role,
+                    "healthy" if healthy else "UNHEALTHY")
         self.healthy = healthy
         if self._healthy_gauge is not None:
             self._healthy_gauge.set(1 if healthy else 0)

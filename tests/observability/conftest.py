@@ -1,8 +1,10 @@
-"""A live 1P1D cluster with JSON logs, served a few requests before the tests read it."""
+"""A live 1P1D cluster (`pdgate up`, JSON logs) that served a few requests before the tests
+read its metrics and logs."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -11,12 +13,21 @@ import pytest
 from tests.e2e.cluster import Cluster, start_cluster
 
 CLIENT_ID = "obs-client-id-1"
-EXTRA: list[str] = []
+
+
+@dataclass
+class Served:
+    """The cluster and what its router answered to the fixture's requests."""
+
+    cluster: Cluster
+    plain: httpx.Response  # non-streaming, with the client's X-Request-Id
+    streamed_id: str  # X-Pdgate-Request-Id of the streamed request
 
 
 @pytest.fixture(scope="package")
-def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(tmp_path_factory.mktemp("obs"), tiny_model_dir, extra=EXTRA)
+def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    c = start_cluster(tmp_path_factory.mktemp("obs"), tiny_model_dir,
+                      extra=["--log-format", "json"])
     try:
         body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 5, "temperature": 0,
                 "ignore_eos": True}
@@ -30,6 +41,11 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         bad = httpx.post(c.router + "/v1/completions", json={"model": "nope", "prompt": "x"},
                          timeout=30)
         assert bad.status_code == 404
-        yield c
+        yield Served(c, plain, streamed.headers["x-pdgate-request-id"])
     finally:
         c.stop()
+
+
+@pytest.fixture(scope="package")
+def cluster(served: Served) -> Cluster:
+    return served.cluster

@@ -58,9 +58,7 @@ from engine_shim.push import (
     PendingPushes,
     Refusal,
     WriteTarget,
-    mode_of,
     notify_target,
-    push_deadline,
 )
 from engine_shim.side_channel import (
     HandshakePayload,
@@ -77,6 +75,7 @@ from engine_shim.transfer_errors import (
 )
 from engine_shim.transport_probe import probe_transport
 from proxy import KVReady, NotifySender
+from proxy.kv_contract import NotifyPrefillParams, PushDecodeParams, PushPrefillParams
 
 __all__ = ["KVConnector", "KVConnectorError", "KVHandshakeError", "KVTransferError", "KVMemory"]
 
@@ -479,19 +478,18 @@ class KVConnector:
                 "landed_tokens": True}
 
     def push_blocks(self, request_id: str, block_ids: list[int], num_tokens: int,
-                    params: Mapping[str, object],
+                    params: NotifyPrefillParams | PushPrefillParams,
                     first_token_ids: tuple[int, ...] = ()) -> dict[str, object]:
         """P: a finished prompt's blocks (now owned by the connector) go to D by WRITE:
         at once in notify mode (D's blocks are in `params`), or once D's registration is
         here in push mode. The blocks are freed when the write ends, fails or expires. The
         landed notice names `first_token_ids` (what P sampled) for D.
         Returns the prefill reply's `kv_transfer_params`. Event-loop thread only; raises
-        KVTransferError (bad params, table full: the caller keeps the blocks)."""
+        KVTransferError (table full, aborted: the caller keeps the blocks)."""
         if self._closed:
             raise KVConnectorError("KV connector is closed")
         self._remember_loop()
-        mode = mode_of(params)
-        if mode == "notify":
+        if isinstance(params, NotifyPrefillParams):
             self._spawn_write(Match(request_id, tuple(block_ids), num_tokens,
                                     notify_target(params), first_token_ids))
         else:
@@ -503,7 +501,7 @@ class KVConnector:
                 self._thread.wake()  # D's registration is coming: poll for it
         # first_token_ids: the router may stream P's token at once and have D continue
         # after it.
-        return {"pdgate_mode": mode, "do_remote_prefill": False, "do_remote_decode": False,
+        return {"pdgate_mode": params.mode, "do_remote_prefill": False, "do_remote_decode": False,
                 "remote_engine_id": self.engine_id, "num_tokens": num_tokens,
                 "first_token_ids": list(first_token_ids)}
 
@@ -746,7 +744,7 @@ class KVConnector:
         finally:
             self.forget_landing(tag)
 
-    async def await_push(self, params: Mapping[str, object], request_id: str,
+    async def await_push(self, params: PushDecodeParams, request_id: str,
                          local_block_ids: list[int], num_tokens: int
                          ) -> tuple[int, tuple[int, ...]]:
         """D in push mode: register `local_block_ids` with P (named in `params`) and wait
@@ -770,13 +768,13 @@ class KVConnector:
         self._metrics.kv_transfer_seconds.labels(op="push").observe(time.perf_counter() - t0)
         return nbytes, tokens
 
-    async def _register_and_wait(self, params: Mapping[str, object], request_id: str,
+    async def _register_and_wait(self, params: PushDecodeParams, request_id: str,
                                  local_block_ids: list[int], num_tokens: int
                                  ) -> tuple[int, ...]:
         """The landing wait is `transfer_timeout` from the registration; `push_deadline`
         (wall clock, the router's) bounds the whole step, handshake included."""
         req = push_peer_params(params, request_id)
-        deadline = push_deadline(params)
+        deadline = params.push_deadline
         left = None if deadline is None else deadline - time.time()
         if left is not None and left <= 0:
             raise KVTransferError("push_deadline passed before the push wait began",
@@ -794,10 +792,10 @@ class KVConnector:
             raise KVTransferError(f"push_deadline passed before the KV from "
                                   f"{req.engine_id} landed", reason="timeout") from e
 
-    def _unregister_later(self, params: Mapping[str, object], request_id: str) -> None:
+    def _unregister_later(self, params: PushDecodeParams, request_id: str) -> None:
         self.forget_landing(request_id)
-        engine_id = params.get("remote_engine_id")
-        if not isinstance(engine_id, str) or self._reader is None:
+        engine_id = params.remote_engine_id
+        if self._reader is None:
             return
         reader = self._reader
 
@@ -823,14 +821,8 @@ def _encode(notice: Notice) -> bytes:
         raise KVTransferError(f"cannot notify the peer: {e}", reason="params") from e
 
 
-def push_peer_params(params: Mapping[str, object], request_id: str) -> PullParams:
-    """P's side channel from a push-mode decode leg's params (KVTransferError if absent)."""
-    engine_id, host, port = (params.get(k) for k in
-                             ("remote_engine_id", "remote_host", "remote_port"))
-    if not isinstance(engine_id, str) or not isinstance(host, str) or \
-            not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        raise KVTransferError("push mode needs remote_engine_id, remote_host and remote_port "
-                              "of the prefill engine", reason="params")
-    agent = params.get("remote_agent_name")
-    return PullParams(engine_id=engine_id, request_id=request_id, block_ids=(), host=host,
-                      port=port, agent_name=agent if isinstance(agent, str) else None)
+def push_peer_params(params: PushDecodeParams, request_id: str) -> PullParams:
+    """P's side channel from a push-mode decode leg's (checked) params."""
+    return PullParams(engine_id=params.remote_engine_id, request_id=request_id, block_ids=(),
+                      host=params.remote_host, port=params.remote_port,
+                      agent_name=params.remote_agent_name)

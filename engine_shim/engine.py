@@ -41,7 +41,6 @@ from engine_shim.kv_layout import LAYOUT_NAME
 from engine_shim.metrics import ShimMetrics
 from engine_shim.model import LlamaModel
 from engine_shim.prefix_cache import PrefixCache
-from engine_shim.push import mode_of, push_deadline
 from engine_shim.reservations import Reservation, Reservations
 from engine_shim.sampler import SamplingParams
 from engine_shim.scheduler import Scheduler
@@ -59,6 +58,12 @@ from engine_shim.sequence import (
 )
 from engine_shim.staging import HostStaging, create_staging
 from engine_shim.transfer_errors import KVConnectorError, KVTransferError
+from proxy.kv_contract import (
+    NotifyDecodeParams,
+    NotifyPrefillParams,
+    PushDecodeParams,
+    PushPrefillParams,
+)
 
 __all__ = [
     "Engine", "EngineConfig", "EngineError", "EngineStopped", "KVLoadFailed", "KVTransfer",
@@ -148,7 +153,7 @@ class KVPush(Protocol):
     """The connector calls of the notify/push flows (P WRITEs into D; engine_shim/push.py)."""
 
     def push_blocks(self, request_id: str, block_ids: list[int], num_tokens: int,
-                    params: Mapping[str, object],
+                    params: NotifyPrefillParams | PushPrefillParams,
                     first_token_ids: tuple[int, ...] = ()) -> dict[str, Any]:
         """P: hand a finished prompt's blocks over for a WRITE into D; the reply params."""
         ...
@@ -161,7 +166,7 @@ class KVPush(Protocol):
         """The tokens P named once its WRITE landed (maybe none); None: it did not land."""
         ...
 
-    async def await_push(self, params: Mapping[str, object], request_id: str,
+    async def await_push(self, params: PushDecodeParams, request_id: str,
                          local_block_ids: list[int], num_tokens: int
                          ) -> tuple[int, tuple[int, ...]]:
         """Bytes received and the tokens P named in its landed notice."""
@@ -407,11 +412,11 @@ class Engine:
         """A notify-mode decode takes its reserved blocks; True when they cover the prompt
         (it then awaits the landing in `_prepare`). A size mismatch frees them and the
         prompt is recomputed."""
-        params = seq.req.remote
-        if seq.req.role is not KVRole.DECODE or mode_of(params) != "notify":
+        leg = seq.req.pdgate
+        if seq.req.role is not KVRole.DECODE or not isinstance(leg, NotifyDecodeParams):
             return False
-        rid = params.get("reservation_id")
-        r = self.reservations.claim(rid) if isinstance(rid, str) else None
+        rid = leg.reservation_id
+        r = self.reservations.claim(rid)
         if r is None or r.num_tokens != seq.num_prompt:
             if r is not None:
                 self.free_blocks(list(r.block_ids))
@@ -428,21 +433,21 @@ class Engine:
         """Runs on the request's first read: get the remote KV if asked (pull: READ; notify:
         await the landed WRITE; push: register with P and await it), then hand to the loop."""
         if seq.req.role is KVRole.DECODE:
-            mode = mode_of(seq.req.remote)
-            if mode == "notify":
-                await self._await_notified(seq)
-            elif mode == "push":
-                await self._await_pushed(seq)
+            leg = seq.req.pdgate
+            if isinstance(leg, NotifyDecodeParams):
+                await self._await_notified(seq, leg)
+            elif isinstance(leg, PushDecodeParams):
+                await self._await_pushed(seq, leg)
             else:
                 await self._pull_remote(seq)
         self.scheduler.submit(seq)
 
-    async def _await_notified(self, seq: Sequence) -> None:
+    async def _await_notified(self, seq: Sequence, leg: NotifyDecodeParams) -> None:
         tag = self._landing_for.pop(seq, None)
         if tag is None:
             return  # no reservation: recompute (counted in _claim_reservation)
         timeout = self.config.landing_timeout
-        deadline = push_deadline(seq.req.remote)
+        deadline = leg.push_deadline
         if deadline is not None:  # the router's: it stops waiting for this leg then
             timeout = max(0.0, min(timeout, deadline - time.time()))
         landed = isinstance(self.connector, KVPush) and await self.connector.await_landing(
@@ -455,7 +460,7 @@ class Engine:
         if await self._stage_in(seq, list(seq.block_ids)):
             self._mark_transferred(seq, len(seq.block_ids), "decode-notify")
 
-    async def _await_pushed(self, seq: Sequence) -> None:
+    async def _await_pushed(self, seq: Sequence, leg: PushDecodeParams) -> None:
         connector = self.connector
         n = seq.num_prompt
         if not isinstance(connector, KVPush):
@@ -463,7 +468,7 @@ class Engine:
             return
         local = seq.block_ids[: self.scheduler.blocks_for(n)]
         try:
-            _, tokens = await connector.await_push(seq.req.remote, seq.req.request_id, local, n)
+            _, tokens = await connector.await_push(leg, seq.req.request_id, local, n)
         except asyncio.CancelledError:
             # P may be writing into these blocks right now (it was told to stop): keep them
             # out of the pool a little longer.
@@ -594,7 +599,7 @@ class Engine:
     def _push_abandoned(self, req: GenerateRequest, detail: str) -> None:
         """A push-mode prefill leg will never hand its KV over: have the connector tell the
         decode engine that registered for it (else D waits for its transfer timeout)."""
-        if req.role is not KVRole.PREFILL or mode_of(req.remote) != "push":
+        if req.role is not KVRole.PREFILL or not isinstance(req.pdgate, PushPrefillParams):
             return
         if isinstance(self.connector, KVPush):
             self.connector.fail_push(req.request_id, "prefill", detail)
@@ -607,14 +612,14 @@ class Engine:
             return None
         keep = self.scheduler.blocks_for(seq.num_prompt)
         held = seq.block_ids[:keep]
-        push = mode_of(seq.req.remote) is not None and isinstance(self.connector, KVPush)
+        leg = seq.req.pdgate
         try:
             if self.staging is not None:  # the peer may read the host mirror from now on
                 self.staging.to_host(held)
-            if push and isinstance(self.connector, KVPush):
+            if isinstance(leg, NotifyPrefillParams | PushPrefillParams) and \
+                    isinstance(self.connector, KVPush):
                 params = self.connector.push_blocks(seq.req.request_id, held, seq.num_prompt,
-                                                    seq.req.remote,
-                                                    tuple(seq.token_ids[seq.num_prompt:]))
+                                                    leg, tuple(seq.token_ids[seq.num_prompt:]))
             else:
                 params = self.connector.hold_for_remote_decode(seq.req.request_id, held)
         except KVTransferError as exc:  # e.g. the router aborted it while it prefilled

@@ -10,15 +10,21 @@ set of prefill blocks is never shared by several decode children).
 
 from __future__ import annotations
 
-import math
 import re
-from typing import Annotated, Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import msgspec
 
 from engine_shim.sampler import SamplingParams
 from engine_shim.sequence import StepOutput
-from proxy.wire import MAX_TOKEN_LENGTH as MAX_NOTIFY_TOKEN_CHARS  # what KVReady.token holds
+from proxy.kv_contract import (
+    Continuation,
+    KVParamsError,
+    PdgateLeg,
+    parse_continuation,
+    parse_pdgate_params,
+)
 
 _SEED_RANGE = (-(2**63), 2**64 - 1)
 
@@ -309,12 +315,12 @@ SSE_DONE = b"data: [DONE]\n\n"
 
 
 class KVTransferParams(msgspec.Struct, kw_only=True):
-    """`kv_transfer_params` of a request, as vLLM's NixlConnector reads them.
+    """vLLM's keys of `kv_transfer_params`, as its NixlConnector reads them.
 
     Prefill role: `do_remote_decode=true` (the rest null). Decode role: `do_remote_prefill=
     true` plus where P's blocks are (`remote_engine_id`, `remote_block_ids`, `remote_host`,
-    `remote_port`, `remote_request_id`, `tp_size`); pdgate's notify and push decode legs
-    name less (see `_DECODE_REQUIRES`)."""
+    `remote_port`, `remote_request_id`, `tp_size`). pdgate's notify and push legs carry
+    their own keys instead (proxy/kv_contract.py), some under the same `remote_*` names."""
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
@@ -324,34 +330,32 @@ class KVTransferParams(msgspec.Struct, kw_only=True):
     remote_port: int | None = None
     remote_request_id: str | None = None
     tp_size: int | None = None
-    pdgate_mode: str | None = None  # "notify" | "push" (engine_shim/push.py); None = pull
-    # The router's random token for this request's KV-ready notice (P echoes it).
-    notify_token: Annotated[str, msgspec.Meta(max_length=MAX_NOTIFY_TOKEN_CHARS)] | None = None
-    # Tokens P sampled that the client already has: this decode continues after them.
-    first_token_ids: list[int] | None = None
-    # Push decode leg: continue after the token(s) P names in its landed notice (the router
-    # streams them from P's reply), or fail; no chat role delta either way.
-    continue_after_prefill: bool = False
-    # Push/notify decode leg: wall-clock time (seconds since the epoch) at which D stops
-    # waiting for P's landing (fail or recompute per policy). Unused by pull legs.
-    push_deadline: float | None = None
 
 
-# What a decode leg must name, per flow: pull reads P's blocks; push registers D's own blocks
-# with P's side channel; notify finds the KV already in the blocks it reserved.
-_DECODE_REQUIRES: dict[str | None, tuple[str, ...]] = {
-    None: ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port"),
-    "pull": ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port"),
-    "push": ("remote_engine_id", "remote_host", "remote_port"),
-    "notify": (),
-}
+@dataclass(frozen=True)
+class CheckedKV:
+    """A request's checked `kv_transfer_params`: vLLM's keys, pdgate's notify/push leg
+    (None: vLLM pull, or no transfer) and the early-token continuation (None: none)."""
+
+    params: KVTransferParams
+    leg: PdgateLeg | None
+    continuation: Continuation | None
 
 
-def kv_transfer_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
-    """Type-check `kv_transfer_params` (None when absent). A request asking for neither
-    role may still carry `first_token_ids`."""
+# What a pull decode leg must name to READ P's blocks (pdgate's legs: proxy/kv_contract.py).
+_PULL_REQUIRES = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port")
+
+
+def kv_transfer_params(raw: dict[str, Any] | None) -> CheckedKV | None:
+    """Type-check `kv_transfer_params` (None when absent); a bad key is a 400 naming it. A
+    request asking for neither role may still carry `first_token_ids`."""
     if raw is None:
         return None
+    try:  # pdgate's keys first: their messages say what the value must be
+        leg = parse_pdgate_params(raw)
+        continuation = parse_continuation(raw)
+    except KVParamsError as e:
+        raise RequestError(str(e), param=e.field) from e
     try:
         params = msgspec.convert(raw, KVTransferParams)
     except msgspec.ValidationError as e:
@@ -363,38 +367,23 @@ def kv_transfer_params(raw: dict[str, Any] | None) -> KVTransferParams | None:
             "kv_transfer_params: do_remote_decode and do_remote_prefill are exclusive",
             param="kv_transfer_params",
         )
-    deadline = params.push_deadline
-    if deadline is not None and not (math.isfinite(deadline) and deadline >= 0):
-        raise RequestError("kv_transfer_params.push_deadline must be a finite time >= 0 "
-                           "(seconds since the epoch)", param="kv_transfer_params.push_deadline")
-    if params.do_remote_prefill:
-        required = _DECODE_REQUIRES.get(params.pdgate_mode)
-        if required is None:
-            raise RequestError(f"kv_transfer_params.pdgate_mode {params.pdgate_mode!r} is not "
-                               "one of pull, push, notify", param="kv_transfer_params.pdgate_mode")
-        missing = [name for name in required if getattr(params, name) is None]
+    if params.do_remote_prefill and leg is None:
+        missing = [name for name in _PULL_REQUIRES if getattr(params, name) is None]
         if missing:
             raise RequestError(
                 f"kv_transfer_params with do_remote_prefill needs {', '.join(missing)}",
                 param=f"kv_transfer_params.{missing[0]}",
             )
-        if params.continue_after_prefill and params.pdgate_mode != "push":
-            raise RequestError("kv_transfer_params.continue_after_prefill needs pdgate_mode "
-                               "push", param="kv_transfer_params.continue_after_prefill")
         if any(b < 0 for b in params.remote_block_ids or []):
             raise RequestError("kv_transfer_params.remote_block_ids must be >= 0",
                                param="kv_transfer_params.remote_block_ids")
-    return params
+    return CheckedKV(params, leg, continuation)
 
 
-def first_token_ids(params: KVTransferParams | None, vocab_size: int,
-                    budget: int) -> tuple[int, ...]:
-    """`first_token_ids` of checked params (any role, also without a transfer): tokens
+def first_token_ids(kv: CheckedKV | None, vocab_size: int, budget: int) -> tuple[int, ...]:
+    """`first_token_ids` of checked params (any decode, also without a transfer): tokens
     already generated and delivered; at least one token must be left to generate."""
-    ids = tuple(params.first_token_ids or ()) if params is not None else ()
-    if ids and params is not None and params.do_remote_decode:
-        raise RequestError("kv_transfer_params.first_token_ids is for the decode leg",
-                           param="kv_transfer_params.first_token_ids")
+    ids = tuple(kv.continuation.first_token_ids) if kv and kv.continuation else ()
     if len(ids) >= budget:
         raise RequestError(f"kv_transfer_params.first_token_ids: {len(ids)} tokens leave none "
                            f"of max_tokens={budget} to generate",

@@ -21,27 +21,9 @@ sends D a `notices.Failed` with the same tag instead, and D fails or recomputes 
 (`--kv-load-failure-policy`) rather than at its timeout. Every notification's encoding
 lives in `engine_shim/notices.py`.
 
-kv_transfer_params keys (the router writes them; vLLM ignores unknown keys):
-    pdgate_mode        "notify" | "push" (absent: vLLM pull)
-    notify_endpoint    router proxy's zmq endpoint (P sends KVReady there), optional
-    notify_request_id  request id in the KVReady message
-    notify_token       the router's per-request random token, echoed in the KVReady message
-                       (string, at most 128 characters; checked in openai_types)
-    write_deadline     notify: wall-clock time after which P must not start the WRITE (the
-                       router has given up and D's reservation is going away)
-    reservation_id     notify: D's reservation, both legs; push: absent
-    num_tokens         prompt tokens the router counted (D's reservation size)
-    remote_*           notify P leg: D's engine id / side channel / agent / reserved blocks;
-                       push D leg: P's engine id / side channel
-    first_token_ids    P's reply (notify/push): the token(s) P sampled. A decode leg with it
-                       continues after them (notify's early first token; also without a
-                       transfer, when D must recompute the prompt)
-    continue_after_prefill  push D leg: continue after the token(s) P's landed notice names
-                       (the router streamed them from P's reply), or fail the stream
-    push_deadline      push/notify D leg: wall-clock time (time.time()) at which D stops
-                       waiting for the landing (then fails or recomputes, per policy);
-                       absent: D waits --kv-transfer-timeout (push) / --kv-landing-timeout
-                       (notify)
+The kv_transfer_params keys of both flows (the router writes them, vLLM ignores them) are
+typed and versioned in proxy/kv_contract.py; the HTTP edge (openai_types) parses them, so
+everything here works on checked structs.
 """
 
 from __future__ import annotations
@@ -49,13 +31,12 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_shim.notices import Registration
 from engine_shim.transfer_errors import KVTransferError
-
-MODES = ("notify", "push")
+from proxy.kv_contract import NotifyPrefillParams, PushPrefillParams
 
 
 @dataclass(frozen=True)
@@ -76,75 +57,25 @@ class WriteTarget:
     deadline: float | None = None  # wall clock (time.time()); no WRITE may start after it
 
 
-def mode_of(params: Mapping[str, object] | None) -> str | None:
-    """"notify" / "push" when `params` ask for a pdgate push flow, else None (vLLM pull)."""
-    mode = params.get("pdgate_mode") if params else None
-    return mode if isinstance(mode, str) and mode in MODES else None
-
-
-def _int(params: Mapping[str, object], key: str) -> int:
-    value = params.get(key)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise KVTransferError(f"kv_transfer_params.{key} must be an int, got {value!r}",
-                              reason="params")
-    return value
-
-
-def _str(params: Mapping[str, object], key: str) -> str:
-    value = params.get(key)
-    if not isinstance(value, str) or not value:
-        raise KVTransferError(f"kv_transfer_params.{key} must be a string, got {value!r}",
-                              reason="params")
-    return value
-
-
-def _opt_str(params: Mapping[str, object], key: str) -> str | None:
-    value = params.get(key)
-    return value if isinstance(value, str) and value else None
-
-
-def notify_target(params: Mapping[str, object]) -> WriteTarget:
-    """The P leg of notify mode: D's reserved blocks from the router. Raises
-    KVTransferError(reason="params") naming the first bad field."""
-    blocks = params.get("remote_block_ids")
-    if not isinstance(blocks, list) or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks):
-        raise KVTransferError("kv_transfer_params.remote_block_ids must be ints >= 0",
-                              reason="params")
+def notify_target(params: NotifyPrefillParams) -> WriteTarget:
+    """The P leg of notify mode: D's reserved blocks, as the router named them."""
     return WriteTarget(
-        engine_id=_str(params, "remote_engine_id"), host=_str(params, "remote_host"),
-        port=_int(params, "remote_port"), agent_name=_opt_str(params, "remote_agent_name"),
-        block_ids=tuple(blocks), tag=_str(params, "reservation_id"),
-        num_tokens=_int(params, "num_tokens"),
-        notify_endpoint=_opt_str(params, "notify_endpoint"),
-        notify_request_id=_opt_str(params, "notify_request_id"),
-        notify_token=_opt_str(params, "notify_token") or "",
-        deadline=_opt_float(params, "write_deadline"),
+        engine_id=params.remote_engine_id, host=params.remote_host, port=params.remote_port,
+        agent_name=params.remote_agent_name, block_ids=tuple(params.remote_block_ids),
+        tag=params.reservation_id, num_tokens=params.num_tokens,
+        notify_endpoint=params.notify_endpoint, notify_request_id=params.notify_request_id,
+        notify_token=params.notify_token or "", deadline=params.write_deadline,
     )
 
 
-def _opt_float(params: Mapping[str, object], key: str) -> float | None:
-    value = params.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def push_deadline(params: Mapping[str, object] | None) -> float | None:
-    """The decode leg's `push_deadline` (wall clock), None when absent. openai_types
-    checked it at the edge (a finite number)."""
-    return _opt_float(params, "push_deadline") if params else None
-
-
-def registration_target(reg: Registration, params: Mapping[str, object] | None) -> WriteTarget:
+def registration_target(reg: Registration, params: PushPrefillParams | None) -> WriteTarget:
     """The target of a push registration; P's own request params may name a proxy."""
-    p = params or {}
     return WriteTarget(
         engine_id=reg.engine_id, host=reg.host, port=reg.port, agent_name=reg.agent_name,
         block_ids=tuple(reg.block_ids), tag=reg.request_id, num_tokens=reg.num_tokens,
-        notify_endpoint=_opt_str(p, "notify_endpoint"),
-        notify_request_id=_opt_str(p, "notify_request_id"),
-        notify_token=_opt_str(p, "notify_token") or "",
+        notify_endpoint=params.notify_endpoint if params else None,
+        notify_request_id=params.notify_request_id if params else None,
+        notify_token=(params.notify_token if params else None) or "",
     )
 
 
@@ -152,7 +83,7 @@ def registration_target(reg: Registration, params: Mapping[str, object] | None) 
 class _Blocks:
     block_ids: tuple[int, ...]
     num_tokens: int
-    params: Mapping[str, object] | None
+    params: PushPrefillParams | None
     expires_at: float
     first_token_ids: tuple[int, ...]
 
@@ -239,7 +170,7 @@ class PendingPushes:
         self._lock = threading.Lock()
 
     def offer(self, request_id: str, block_ids: list[int], num_tokens: int,
-              params: Mapping[str, object] | None,
+              params: PushPrefillParams | None,
               first_token_ids: tuple[int, ...] = ()) -> Match | None:
         """P's prompt is done: the Match if D already registered, else keep the blocks.
         Raises KVTransferError when the table is full or holds this id's prompt already

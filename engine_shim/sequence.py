@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine_shim.sampler import Sampler, SamplingParams
+from proxy.kv_contract import PdgateLeg
 
 # Prompt tokens decoded together with the first output tokens, so tokenizers that drop a
 # word's leading space when it starts a decode (SentencePiece) render output text correctly.
@@ -74,7 +75,8 @@ class GenerateRequest:
     and are cut from the text; `stop_token_ids` end it too. `min_tokens` suppresses EOS,
     stop ids and stop strings until that many tokens exist. `remote` holds the parsed
     `kv_transfer_params` of a DECODE-role request (opaque to the engine, given to the
-    connector's `pull`). `first_token_ids` continue a generation begun elsewhere: tokens the
+    connector's `pull`); `pdgate` the checked keys of a notify/push leg (None: vLLM pull, or
+    no transfer). `first_token_ids` continue a generation begun elsewhere: tokens the
     prefill engine sampled and the client already has; they count as output (max_tokens,
     usage) but their text is not sent again. `continue_after_prefill` (a push decode leg)
     asks to continue after the token(s) P's landed notice names, instead of sampling."""
@@ -89,6 +91,7 @@ class GenerateRequest:
     ignore_eos: bool = False
     role: KVRole = KVRole.NONE
     remote: Any = None
+    pdgate: PdgateLeg | None = None
     remote_block_ids: tuple[int, ...] = ()
     first_token_ids: tuple[int, ...] = ()
     continue_after_prefill: bool = False

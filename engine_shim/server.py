@@ -39,6 +39,7 @@ from engine_shim.auth import EngineAuth
 from engine_shim.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from engine_shim.engine import Engine, EngineError, KVTransfer, RequestStream
 from engine_shim.sequence import GenerateRequest, KVRole, StepOutput
+from proxy.kv_contract import PushDecodeParams
 
 log = logging.getLogger(__name__)
 
@@ -246,12 +247,14 @@ def _generate_request(
             f"min_tokens must be in [0, max_tokens={budget}], got {req.min_tokens}",
             param="min_tokens",
         )
-    params = ot.kv_transfer_params(req.kv_transfer_params)
+    kv = ot.kv_transfer_params(req.kv_transfer_params)
+    params = kv.params if kv is not None else None
     role = KVRole.NONE
     if params is not None and params.do_remote_decode:
         role = KVRole.PREFILL
     elif params is not None and params.do_remote_prefill:
         role = KVRole.DECODE
+    leg = kv.leg if kv is not None else None
     gen = GenerateRequest(
         request_id=request.headers.get("x-request-id") or uuid.uuid4().hex,
         prompt_ids=tuple(prompt_ids),
@@ -263,11 +266,11 @@ def _generate_request(
         ignore_eos=req.ignore_eos,
         role=role,
         remote=req.kv_transfer_params if role is not KVRole.NONE else None,
+        pdgate=leg,
         remote_block_ids=tuple(params.remote_block_ids or [])
         if params is not None and role is not KVRole.NONE else (),
-        first_token_ids=ot.first_token_ids(params, engine.model.config.vocab_size, budget),
-        continue_after_prefill=params is not None and role is KVRole.DECODE
-        and params.continue_after_prefill,
+        first_token_ids=ot.first_token_ids(kv, engine.model.config.vocab_size, budget),
+        continue_after_prefill=isinstance(leg, PushDecodeParams) and leg.continue_after_prefill,
     )
     return gen, req.model or names[0]
 

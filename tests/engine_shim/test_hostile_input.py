@@ -5,7 +5,9 @@
   is refused as soon as it crosses the limit, while the client is still sending.
 - 100,000 nested JSON arrays or objects (msgspec raises RecursionError, even in fields typed
   `Any`) and invalid UTF-8 (UnicodeDecodeError) are 400s.
-- `kv_transfer_params.notify_token` is checked at the edge (a string of <= 128 chars).
+- pdgate's `kv_transfer_params` keys (proxy/kv_contract.py) are checked at the edge: a bad
+  field (e.g. `notify_token` over 128 chars, a `remote_port` out of range) or a
+  `pdgate_kv_version` newer than the engine's is a 400 whose `param` names the key.
 """
 
 from __future__ import annotations
@@ -154,13 +156,19 @@ def test_hostile_json_is_a_400_not_a_500(shim: Shim, name: str) -> None:
     assert ok.status_code == 200
 
 
-P_LEG = {"do_remote_decode": True, "pdgate_mode": "notify", "notify_request_id": "r"}
+# A complete notify P leg whose write deadline is long past: P hands nothing to D (no D
+# listens at that side channel), yet the request itself is valid.
+P_LEG = {"do_remote_decode": True, "pdgate_mode": "notify", "notify_request_id": "r",
+         "remote_engine_id": "d", "remote_host": "127.0.0.1", "remote_port": 9,
+         "remote_block_ids": [0], "reservation_id": "res-1", "num_tokens": 1,
+         "write_deadline": 1.0}
+TOKEN_RULE = "kv_transfer_params.notify_token must be a string of at most 128 characters"
 
 
 @pytest.mark.parametrize(("token", "message"), [
-    (7, "Expected `str | null`, got `int`"),
-    (["t"], "Expected `str | null`, got `array`"),
-    ("t" * 129, "Expected `str` of length <= 128"),
+    (7, f"{TOKEN_RULE}, got 7"),
+    (["t"], f"{TOKEN_RULE}, got ['t']"),
+    ("t" * 129, f"{TOKEN_RULE}, got 129 characters"),
 ])
 def test_a_bad_notify_token_is_a_400_naming_it(shim: Shim, token: Any, message: str) -> None:
     r = httpx.post(shim.url + "/v1/completions", timeout=60, json={
@@ -176,6 +184,42 @@ def test_a_notify_token_of_128_chars_is_accepted(shim: Shim) -> None:
         "model": MODEL, "prompt": "Hi", "max_tokens": 1,
         "kv_transfer_params": {**P_LEG, "notify_token": "t" * 128}})
     assert r.status_code == 200, r.text
+
+
+# What a push decode leg needs, valid: each case below spoils one key.
+D_LEG = {"do_remote_prefill": True, "pdgate_mode": "push", "remote_engine_id": "p",
+         "remote_host": "127.0.0.1", "remote_port": 9, "num_tokens": 1}
+
+
+@pytest.mark.parametrize(("change", "field", "message"), [
+    ({"pdgate_kv_version": 2}, "pdgate_kv_version", "2 is newer than this engine understands"),
+    ({"pdgate_kv_version": "1"}, "pdgate_kv_version", "must be an int >= 1, got '1'"),
+    ({"remote_port": 70000}, "remote_port", "must be an int in 1..65535, got 70000"),
+    ({"remote_host": None}, "remote_host", "must be a non-empty string, got None"),
+    ({"push_deadline": "soon"}, "push_deadline", "must be a finite time >= 0"),
+    ({"pdgate_mode": "teleport"}, "pdgate_mode", "must be one of notify, push"),
+    ({"pdgate_mode": "notify"}, "reservation_id", "must be a non-empty string, got None"),
+    ({"first_token_ids": [1, -2]}, "first_token_ids", "must be a list of ints >= 0"),
+])
+def test_a_bad_pdgate_key_is_a_400_naming_it(shim: Shim, change: dict[str, Any], field: str,
+                                             message: str) -> None:
+    r = httpx.post(shim.url + "/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "Hi", "max_tokens": 4, "kv_transfer_params": {
+            **D_LEG, **change}})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == f"kv_transfer_params.{field}"
+    assert error["message"].startswith(f"kv_transfer_params.{field} {message}"), error
+    assert (error["type"], error["code"]) == ("BadRequestError", 400)
+
+
+def test_a_version_1_or_unversioned_leg_is_served(shim: Shim) -> None:
+    """Senders older than `pdgate_kv_version` (no key) and version 1 both get an answer."""
+    for extra in ({}, {"pdgate_kv_version": 1}):
+        r = httpx.post(shim.url + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "Hi", "max_tokens": 1,
+            "kv_transfer_params": {**P_LEG, **extra}})
+        assert r.status_code == 200, r.text
 
 
 def test_the_default_limit_is_16_mib_and_settable() -> None:

@@ -39,10 +39,11 @@ from engine_shim.notices import (
 )
 from engine_shim.push import Expired, Match, PendingPushes, Refusal, WriteTarget
 from engine_shim.transfer_errors import KVTransferError
+from proxy.kv_contract import PushDecodeParams, PushPrefillParams
 
 TTL = 10.0
-PARAMS = {"notify_endpoint": "tcp://127.0.0.1:1", "notify_request_id": "n-1",
-          "notify_token": "tok"}
+PARAMS = PushPrefillParams(num_tokens=6, notify_endpoint="tcp://127.0.0.1:1",
+                           notify_request_id="n-1", notify_token="tok")
 
 
 class Clock:
@@ -358,8 +359,8 @@ async def test_a_stray_failed_notice_cannot_poison_a_later_wait(
 async def test_a_push_deadline_in_the_past_fails_before_registering(
         monkeypatch: pytest.MonkeyPatch) -> None:
     conn, _ = _connector(monkeypatch, "d")
-    params = {"pdgate_mode": "push", "remote_engine_id": "p", "remote_host": "127.0.0.1",
-              "remote_port": 9, "push_deadline": time.time() - 1}
+    params = PushDecodeParams(remote_engine_id="p", remote_host="127.0.0.1", remote_port=9,
+                              push_deadline=time.time() - 1)
     with pytest.raises(KVTransferError, match="push_deadline passed") as info:
         await conn.await_push(params, "r", [1], 4)
     assert info.value.reason == "timeout"

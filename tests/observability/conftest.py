@@ -13,6 +13,7 @@ import pytest
 from tests.e2e.cluster import Cluster, start_cluster
 
 CLIENT_ID = "obs-client-id-1"
+NOTIFY_SECRET = "observability-test-secret"
 
 
 @dataclass
@@ -26,8 +27,10 @@ class Served:
 
 @pytest.fixture(scope="package")
 def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    c = start_cluster(tmp_path_factory.mktemp("obs"), tiny_model_dir,
-                      extra=["--log-format", "json"])
+    # Notify mode: the router then also runs its KV-ready proxy, whose metrics the
+    # Grafana dashboard reads too.
+    c = start_cluster(tmp_path_factory.mktemp("obs"), tiny_model_dir, extra=[
+        "--log-format", "json", "--pd-mode", "notify", "--notify-secret", NOTIFY_SECRET])
     try:
         body = {"model": "tiny", "prompt": "Hello there", "max_tokens": 5, "temperature": 0,
                 "ignore_eos": True}

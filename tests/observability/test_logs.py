@@ -59,7 +59,7 @@ def test_one_access_line_per_request_with_its_ids_and_engines(served: Served) ->
     assert streamed["client_request_id"] is None
     for line in (plain, streamed):
         assert (line["prefill_engine"], line["decode_engine"]) == (c.prefill[0], c.decode[0])
-        assert line["mode"] == "disagg" and line["method"] == "POST"
+        assert line["mode"] == "notify" and line["method"] == "POST"
         assert 0 < line["duration_s"] < 120
     assert missing["request_id"] and missing["prefill_engine"] is None
 

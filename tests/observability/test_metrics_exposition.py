@@ -47,11 +47,12 @@ def test_router_latency_histograms_cover_long_requests_and_count_the_queue(
     admitted = got[("pdgate_admission_wait_seconds_count",
                     frozenset({("outcome", "admitted")}))]
     assert admitted >= 2
-    assert got[("pdgate_ttft_seconds_count", frozenset({("mode", "disagg")}))] >= 2
+    assert got[("pdgate_ttft_seconds_count", frozenset({("mode", "notify")}))] >= 2
 
 
 def test_shim_kv_transfer_buckets_start_at_50_microseconds(cluster: Cluster) -> None:
-    text = scrape(cluster.decode[0])
+    # Notify mode: the prefill engine WRITEs the KV into the decode engine's blocks.
+    text = scrape(cluster.prefill[0])
     les = {float(m) for m in re.findall(
         r'^pdgate_shim_kv_transfer_seconds_bucket\{[^}]*le="([^"]+)"', text, re.M)}
     assert min(les) == 0.00005

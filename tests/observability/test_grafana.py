@@ -1,0 +1,96 @@
+"""The Grafana dashboard shipped with the Helm chart queries only metrics that exist: pdgate
+names as a real router (notify mode: with its KV-ready proxy) and real shims expose them,
+`vllm:` names as the installed vLLM defines them. Every panel has one unit, and the
+namespace/release/pod variables filter every query."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.cluster import ROOT, Cluster
+
+pytestmark = pytest.mark.slow
+
+DASHBOARD = ROOT / "helm" / "pdgate" / "dashboards" / "pdgate.json"
+VLLM_SOURCES = sorted((ROOT / ".cache" / "vllm-venv" / "lib").glob("python*/site-packages/vllm"))
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
+            "gauge": ("",), "summary": ("", "_sum", "_count")}
+SERIES = re.compile(r"\b(?:pdgate_\w+|vllm:\w+)")
+
+
+def panels(node: Any) -> Iterator[dict[str, Any]]:
+    for panel in node.get("panels", []):
+        if panel.get("type") == "row":
+            yield from panels(panel)
+        else:
+            yield panel
+
+
+def queries() -> list[str]:
+    return [t["expr"] for p in panels(json.loads(DASHBOARD.read_text())) for t in p["targets"]]
+
+
+def exposed(text: str) -> dict[str, str]:
+    """Series name -> type, for every family a scrape declares (with or without samples)."""
+    names: dict[str, str] = {}
+    for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M):
+        for suffix in SUFFIXES.get(kind, ("",)):
+            names[(name.removesuffix("_total") if kind == "counter" else name) + suffix] = kind
+    return names
+
+
+def test_pdgate_queries_name_series_a_real_cluster_exposes(cluster: Cluster) -> None:
+    known: dict[str, str] = {}
+    for url in (cluster.router, cluster.prefill[0], cluster.decode[0]):
+        known |= exposed(httpx.get(url + "/metrics", timeout=10).text)
+    used = {s for q in queries() for s in SERIES.findall(q) if s.startswith("pdgate_")}
+    assert used, "the dashboard queries no pdgate metric"
+    assert sorted(used - known.keys()) == []
+    assert {"pdgate_ttft_seconds_bucket", "pdgate_admission_wait_seconds_bucket",
+            "pdgate_generation_tokens_total", "pdgate_proxy_wake_latency_seconds_bucket",
+            "pdgate_shim_kv_transfer_seconds_bucket"} <= used
+
+
+def vllm_defined() -> set[str]:
+    names: set[str] = set()
+    for path in VLLM_SOURCES[0].rglob("*.py"):
+        names |= set(re.findall(r"name=\s*\"(vllm:\w+)\"", path.read_text(errors="replace")))
+    return names
+
+
+def test_vllm_queries_name_metrics_vllm_defines() -> None:
+    if not VLLM_SOURCES:
+        pytest.skip("vLLM is not installed in .cache/vllm-venv (`make test-vllm` builds it)")
+    defined = vllm_defined()
+    used = {s for q in queries() for s in SERIES.findall(q) if s.startswith("vllm:")}
+    bases = {re.sub(r"(_total|_bucket|_sum|_count)$", "", s) for s in used}
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting",
+            "vllm:kv_cache_usage_perc", "vllm:nixl_xfer_time_seconds"} <= bases
+    assert sorted(bases - defined) == []
+
+
+def test_every_query_is_filtered_by_namespace_release_and_pod() -> None:
+    dashboard = json.loads(DASHBOARD.read_text())
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert {"datasource", "namespace", "release", "pod"} <= variables
+    for q in queries():
+        for selector in re.findall(r"(?:pdgate_\w+|vllm:\w+)\{([^}]*)\}", q):
+            assert 'namespace="$namespace"' in selector and 'release="$release"' in selector
+            assert 'pod=~"$pod"' in selector
+        assert len(re.findall(r"(?:pdgate_\w+|vllm:\w+)\{", q)) == len(SERIES.findall(q)), q
+
+
+def test_each_panel_has_one_unit_and_mixes_no_seconds_with_rates() -> None:
+    for panel in panels(json.loads(DASHBOARD.read_text())):
+        unit = panel["fieldConfig"]["defaults"].get("unit")
+        assert unit, f"{panel['title']}: no unit"
+        assert not panel["fieldConfig"].get("overrides"), f"{panel['title']}: unit overrides"
+        exprs = [t["expr"] for t in panel["targets"]]
+        if unit == "s":  # latencies only: no per-second counts on a seconds axis
+            assert all(e.startswith("histogram_quantile(") for e in exprs), panel["title"]

@@ -54,10 +54,12 @@ def _free_base(count: int) -> int:
     raise RuntimeError("no free port range")
 
 
-def start(mode: str, log_dir: Path, device: str) -> tuple[subprocess.Popen[bytes], str]:
+def start(mode: str, log_dir: Path, device: str,
+          router_args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     """`pdgate up` for `mode`; returns the process and the router URL once ready."""
     base = _free_base(5)
-    flags = ["--pd-mode", "pull" if mode == "colocated" else mode, "--device", device]
+    flags = ["--pd-mode", "pull" if mode == "colocated" else mode, "--device", device,
+             *(f"--router-arg={a}" for a in router_args)]
     if mode == "colocated":
         flags.append("--router-arg=--disagg-min-tokens=1000000")
     argv = [sys.executable, "-m", "pdgate.cli", "up", "--no-demo", "--port", str(base),
@@ -141,7 +143,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     figures: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="pdgate-bench-e2e-") as tmp:
         for mode in args.modes:
-            proc, url = start(mode, Path(tmp) / mode, args.device)
+            proc, url = start(mode, Path(tmp) / mode, args.device, args.router_arg)
             try:
                 # The same prompts in every mode.
                 figures[mode] = asyncio.run(load(url, args, 10_000))
@@ -177,6 +179,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=4, help="unmeasured requests first")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     p.add_argument("--device", default="cpu", help="engines' device: cpu, cuda, cuda:N")
+    p.add_argument("--router-arg", action="append", default=[],
+                   help="extra `pdgate router` flag for every mode (repeatable), e.g. "
+                        "--router-arg=--no-early-first-token")
     p.add_argument("--json", action="store_true", help="print figures as JSON last line")
     args = p.parse_args()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")

@@ -67,9 +67,11 @@ def create_app(
         async with _serving_state(config, registry or RouterMetrics.registry(),
                                   tokenizer) as st:
             holder.set(st)
+            sampler = asyncio.create_task(dashboard.sample_forever())  # its rate history
             try:
                 yield
             finally:
+                await _cancel(sampler)
                 holder.set(None)
 
     app = FastAPI(
@@ -77,7 +79,7 @@ def create_app(
         openapi_url=None,
     )
     install_routes(app, holder)
-    install_dashboard(app, holder)
+    dashboard = install_dashboard(app, holder)
     if config.admin_api_key:
         install_admin_routes(app, holder)
     install_error_handlers(app)

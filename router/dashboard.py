@@ -1,14 +1,18 @@
 """The built-in status page: `GET /dashboard` (one self-contained HTML page, no external
-assets) and `GET /dashboard/state` (the JSON it polls every two seconds).
+assets) and `GET /dashboard/state` (the JSON it polls every two seconds). Both sit behind
+the admin key (router/auth.py).
 
-The state is read from what the router already keeps: the endpoint pool (engines, health,
-draining, in-flight) and the TTFT histogram. "Recent" TTFT is the difference between the
-histogram now and its snapshot from about `window_s` ago, so the page shows the last minute
-rather than the whole uptime, without touching the request path.
+The state is read from what the router already keeps, never from the request path: the
+endpoint pool (engines, health checks, circuit breakers, draining, in-flight), the TTFT
+histogram and the request and token counters. "Recent" TTFT is the difference between the
+histogram now and its snapshot from about `window_s` ago; the rate history (requests,
+errors, 429s, tokens per second) is sampled from the counters every few seconds and kept
+for five minutes, in memory.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import deque
@@ -17,25 +21,35 @@ from dataclasses import dataclass, field
 
 import msgspec
 from fastapi import FastAPI
-from prometheus_client import Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
-from router.api import StateHolder
+from router import __version__
+from router.api import RouterState, StateHolder
 from router.dashboard_page import PAGE
-from router.pool import EndpointPool
+from router.health import BreakerState
+from router.metrics import RouterMetrics
+from router.pool import Endpoint, EndpointPool
 
-__all__ = ["EngineState", "HistogramWindow", "TTFTState", "install_dashboard"]
+__all__ = ["Dashboard", "EngineState", "History", "HistogramWindow", "RatePoint", "TTFTState",
+           "install_dashboard"]
 
 
 class EngineState(msgspec.Struct):
-    """One engine as the page shows it."""
+    """One engine as the page shows it. `status` is the one word the page prints:
+    `draining`, `breaker open` (ejected after failed requests, whatever its health checks
+    say), `unhealthy`, `half-open` (one trial request at a time) or `healthy`."""
 
     url: str
     role: str
+    status: str
     healthy: bool
     draining: bool
+    breaker: str  # closed | open | half-open
     in_flight: int
+    consecutive_errors: int
+    kv_event_batches: int | None  # KV-event batches received from it (kv-events routing)
 
 
 class TTFTState(msgspec.Struct):
@@ -48,12 +62,37 @@ class TTFTState(msgspec.Struct):
     p95_s: float | None
 
 
+class RatePoint(msgspec.Struct):
+    """Rates over one sampling interval ending at `t` (unix seconds), per second."""
+
+    t: float
+    requests: float
+    errors: float  # 4xx and 5xx answers, except 429 and 499 (client gone)
+    rejected: float  # 429: admission control refused the request
+    tokens: float  # completion tokens
+    in_flight: int  # requests on engines at `t`
+
+
+class KVState(msgspec.Struct):
+    """What the router knows of KV caches: its prefix indexes' sizes ((engine, block)
+    entries, by index) and its requests to engines to free a request's KV, by result."""
+
+    prefix_index_entries: dict[str, int]
+    kv_aborts: dict[str, int]
+
+
 class DashboardState(msgspec.Struct):
+    version: str
+    mode: str  # --pd-mode
+    policies: dict[str, str]  # role -> policy
     ready: bool
     discovery: str
     uptime_s: float
     engines: list[EngineState]
     ttft: TTFTState
+    now: RatePoint | None  # the latest interval (None until two samples exist)
+    history: list[RatePoint]  # oldest first, about the last `History.span_s`
+    kv: KVState
 
 
 @dataclass(frozen=True)
@@ -126,31 +165,158 @@ class HistogramWindow:
                          _quantile(0.5, deltas), _quantile(0.95, deltas))
 
 
-def _engines(pool: EndpointPool) -> list[EngineState]:
-    return [EngineState(ep.url, ep.role, ep.healthy, ep.draining, ep.in_flight)
+def _by_label(metric: Counter | Gauge, label: str) -> dict[str, float]:
+    """Current values of `metric`'s children keyed by one label (the `_total` or gauge
+    samples only)."""
+    out: dict[str, float] = {}
+    for family in metric.collect():
+        for s in family.samples:
+            if not s.name.endswith(("_created", "_gsum", "_gcount")):
+                key = s.labels.get(label, "")
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+@dataclass(frozen=True)
+class _Totals:
+    at: float
+    requests: float
+    errors: float
+    rejected: float
+    tokens: float
+
+
+def _totals(metrics: RouterMetrics, at: float) -> _Totals:
+    by_status = _by_label(metrics.requests, "status")
+    errors = sum(n for status, n in by_status.items()
+                 if status[:1] in ("4", "5") and status not in ("429", "499"))
+    return _Totals(at, sum(by_status.values()), errors, by_status.get("429", 0.0),
+                   sum(_by_label(metrics.generation_tokens, "model").values()))
+
+
+@dataclass
+class History:
+    """Request, error, 429 and token rates sampled every `every_s` seconds, kept for
+    `span_s` seconds, in memory. Rates come from the cumulative counters, so a late or
+    missed sample only widens one interval."""
+
+    span_s: float = 300.0
+    every_s: float = 5.0
+    clock: Callable[[], float] = time.time
+    _last: _Totals | None = None
+    points: deque[RatePoint] = field(default_factory=deque)
+
+    def due(self) -> bool:
+        """Has `every_s` passed since the last sample (or was there none)?"""
+        return self._last is None or self.clock() - self._last.at >= self.every_s
+
+    def sample(self, metrics: RouterMetrics, in_flight: int) -> None:
+        """Read the counters now and append the rates since the previous sample."""
+        now = _totals(metrics, self.clock())
+        last, self._last = self._last, now
+        if last is not None and now.at > last.at:
+            dt = now.at - last.at
+            self.points.append(RatePoint(
+                round(now.at, 3), (now.requests - last.requests) / dt,
+                (now.errors - last.errors) / dt, (now.rejected - last.rejected) / dt,
+                (now.tokens - last.tokens) / dt, in_flight))
+        while self.points and self.points[0].t < now.at - self.span_s:
+            self.points.popleft()
+
+
+def _status(ep: Endpoint) -> str:
+    breaker = ep.health.state
+    if ep.draining:
+        return "draining"
+    if breaker is BreakerState.OPEN:
+        return "breaker open"
+    if not ep.healthy:
+        return "unhealthy"
+    return "half-open" if breaker is BreakerState.HALF_OPEN else "healthy"
+
+
+def _engines(pool: EndpointPool, metrics: RouterMetrics) -> list[EngineState]:
+    batches = _by_label(metrics.kv_event_batches, "engine")
+    return [EngineState(ep.url, ep.role, _status(ep), ep.healthy, ep.draining,
+                        ep.health.state.value, ep.in_flight, ep.health.consecutive_errors,
+                        int(batches[ep.url]) if ep.url in batches else None)
             for ep in pool.all()]
 
 
-def install_dashboard(app: FastAPI, holder: StateHolder) -> None:
-    """Register `/dashboard` and `/dashboard/state` on `app`. Called once by `create_app`;
-    the TTFT window lives in this closure, one per app."""
-    windows: dict[int, HistogramWindow] = {}  # keyed by the metrics object of this run
-    started = time.monotonic()
+def _kv(metrics: RouterMetrics) -> KVState:
+    entries = _by_label(metrics.prefix_index_entries, "index")
+    aborts = _by_label(metrics.kv_aborts, "result")
+    return KVState({k: int(v) for k, v in entries.items()},
+                   {k: int(v) for k, v in aborts.items()})
+
+
+def _policy_name(spec: object) -> str:
+    return spec if isinstance(spec, str) else str(getattr(spec, "type", spec))
+
+
+class Dashboard:
+    """The page's state for one app: the TTFT window and the rate history (reset when the
+    app's metrics change, i.e. a new lifespan). `sample_forever()` runs in the app's
+    lifespan so the history covers the minutes before someone opened the page."""
+
+    def __init__(self, holder: StateHolder) -> None:
+        self._holder = holder
+        self._started = time.monotonic()
+        self._metrics_id: int | None = None
+        self._window: HistogramWindow | None = None
+        self.history = History()
+
+    def _current(self, st: RouterState) -> tuple[HistogramWindow, History]:
+        if self._window is None or self._metrics_id != id(st.metrics):
+            self._metrics_id = id(st.metrics)
+            self._window = HistogramWindow(st.metrics.ttft)
+            self.history = History(self.history.span_s, self.history.every_s,
+                                   self.history.clock)
+        return self._window, self.history
+
+    def _sample(self, st: RouterState) -> None:
+        _, history = self._current(st)
+        history.sample(st.metrics, sum(ep.in_flight for ep in st.pool.all()))
+
+    async def sample_forever(self) -> None:
+        """Sample every `History.every_s` seconds until cancelled."""
+        while True:
+            self._sample(self._holder.state)
+            await asyncio.sleep(self.history.every_s)
+
+    def state(self) -> DashboardState:
+        """Everything the page shows, now. A poll samples too when a sample is due, so the
+        page works (with a shorter history) without the background sampler."""
+        st = self._holder.state
+        window, history = self._current(st)
+        if history.due():
+            self._sample(st)
+        points = list(history.points)
+        cfg = st.config
+        return DashboardState(
+            version=__version__, mode=cfg.pd_mode,
+            policies={"prefill": _policy_name(cfg.prefill_policy),
+                      "decode": _policy_name(cfg.decode_policy)},
+            ready=st.pool.ready(), discovery=cfg.discovery,
+            uptime_s=round(time.monotonic() - self._started, 1),
+            engines=_engines(st.pool, st.metrics), ttft=window.recent(),
+            now=points[-1] if points else None, history=points, kv=_kv(st.metrics),
+        )
+
+
+def install_dashboard(app: FastAPI, holder: StateHolder) -> Dashboard:
+    """Register `/dashboard` and `/dashboard/state` on `app` (called once by `create_app`,
+    which runs the returned dashboard's `sample_forever()` in the lifespan)."""
+    dashboard = Dashboard(holder)
     encode = msgspec.json.Encoder().encode
 
     async def page(request: Request) -> Response:
         return HTMLResponse(PAGE, headers={"Cache-Control": "no-cache"})
 
     async def state(request: Request) -> Response:
-        st = holder.state
-        window = windows.setdefault(id(st.metrics), HistogramWindow(st.metrics.ttft))
-        body = DashboardState(
-            ready=st.pool.ready(), discovery=st.config.discovery,
-            uptime_s=round(time.monotonic() - started, 1), engines=_engines(st.pool),
-            ttft=window.recent(),
-        )
-        return Response(encode(body), media_type="application/json",
+        return Response(encode(dashboard.state()), media_type="application/json",
                         headers={"Cache-Control": "no-store"})
 
     app.router.add_route("/dashboard", page, methods=["GET"])
     app.router.add_route("/dashboard/state", state, methods=["GET"])
+    return dashboard

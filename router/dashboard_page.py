@@ -1,7 +1,8 @@
 """The HTML of the router's `/dashboard` page: inline CSS and JS, no external assets.
 
 It polls `state` next to its own path (`/dashboard/state`, also behind a path prefix) every
-two seconds and renders with `textContent` only, so engine URLs are never parsed as HTML.
+two seconds and renders with `textContent` and SVG attributes only, so engine URLs are never
+parsed as HTML. The history charts are inline SVG polylines, one unit per chart.
 """
 
 from __future__ import annotations
@@ -17,28 +18,41 @@ PAGE = """<!doctype html>
 <title>pdgate router</title>
 <style>
   body { font: 14px/1.4 system-ui, sans-serif; margin: 24px; color: #1d2430; background: #f6f7f9; }
-  h1 { font-size: 20px; margin: 0 0 16px; }
+  h1 { font-size: 20px; margin: 0 0 4px; }
+  h2 { font-size: 15px; margin: 20px 0 8px; }
+  #about { color: #5b6574; margin-bottom: 16px; }
   .cards { display: flex; gap: 12px; flex-wrap: wrap; margin-bottom: 16px; }
   .card { background: #fff; border: 1px solid #dde1e7; border-radius: 6px; padding: 10px 14px;
-          min-width: 140px; }
+          min-width: 120px; }
   .card .label { color: #5b6574; font-size: 12px; }
   .card .value { font-size: 20px; font-weight: 600; }
-  table { border-collapse: collapse; background: #fff; width: 100%; max-width: 960px; }
+  table { border-collapse: collapse; background: #fff; width: 100%; max-width: 1100px; }
   th, td { text-align: left; padding: 6px 10px; border-bottom: 1px solid #e5e8ec; }
   th { font-size: 12px; color: #5b6574; }
   .ok { color: #137333; font-weight: 600; }
   .bad { color: #b3261e; font-weight: 600; }
   .drain { color: #a15c00; font-weight: 600; }
+  .charts { display: flex; gap: 12px; flex-wrap: wrap; }
+  .chart { background: #fff; border: 1px solid #dde1e7; border-radius: 6px; padding: 8px; }
+  .chart .label { color: #5b6574; font-size: 12px; }
+  .chart svg { width: 260px; height: 70px; display: block; }
+  .chart polyline { fill: none; stroke: #1a73e8; stroke-width: 1.5; }
+  #kv { color: #3b4452; }
   #error { color: #b3261e; margin-top: 12px; }
 </style>
 </head>
 <body>
 <h1>pdgate router</h1>
+<div id="about">...</div>
 <div class="cards">
   <div class="card"><div class="label">Status</div><div class="value" id="ready">...</div></div>
-  <div class="card"><div class="label">Prefill healthy</div>
+  <div class="card"><div class="label">Requests / s</div><div class="value" id="rps">-</div></div>
+  <div class="card"><div class="label">Errors / s</div><div class="value" id="eps">-</div></div>
+  <div class="card"><div class="label">429 / s</div><div class="value" id="rejected">-</div></div>
+  <div class="card"><div class="label">Tokens / s</div><div class="value" id="tps">-</div></div>
+  <div class="card"><div class="label">Prefill usable</div>
     <div class="value" id="prefill-count">-</div></div>
-  <div class="card"><div class="label">Decode healthy</div>
+  <div class="card"><div class="label">Decode usable</div>
     <div class="value" id="decode-count">-</div></div>
   <div class="card"><div class="label">In flight</div>
     <div class="value" id="in-flight">-</div></div>
@@ -46,27 +60,68 @@ PAGE = """<!doctype html>
     <div class="value" id="ttft">-</div></div>
 </div>
 <table>
-  <thead><tr><th>Role</th><th>Engine</th><th>Health</th><th>In flight</th></tr></thead>
+  <thead><tr><th>Role</th><th>Engine</th><th>Status</th><th>Breaker</th><th>In flight</th>
+    <th>Failed in a row</th><th>KV-event batches</th></tr></thead>
   <tbody id="engines"></tbody>
 </table>
+<h2 id="history-title">Last 5 minutes</h2>
+<div class="charts">
+  <div class="chart"><div class="label" id="chart-requests-label">requests / s</div>
+    <svg id="chart-requests" viewBox="0 0 260 70" preserveAspectRatio="none"></svg></div>
+  <div class="chart"><div class="label" id="chart-errors-label">errors / s</div>
+    <svg id="chart-errors" viewBox="0 0 260 70" preserveAspectRatio="none"></svg></div>
+  <div class="chart"><div class="label" id="chart-rejected-label">429 / s</div>
+    <svg id="chart-rejected" viewBox="0 0 260 70" preserveAspectRatio="none"></svg></div>
+  <div class="chart"><div class="label" id="chart-tokens-label">tokens / s</div>
+    <svg id="chart-tokens" viewBox="0 0 260 70" preserveAspectRatio="none"></svg></div>
+</div>
+<h2>KV</h2>
+<div id="kv">-</div>
 <div id="error"></div>
 <script>
 "use strict";
 const stateUrl = location.pathname.replace(/\\/$/, "") + "/state";
+const SVG = "http://www.w3.org/2000/svg";
 const $ = (id) => document.getElementById(id);
 function ms(seconds) {
   return seconds === null ? "-" : (seconds * 1000).toFixed(1) + " ms";
+}
+function rate(x) {
+  return x === null || x === undefined ? "-" : (x < 10 ? x.toFixed(2) : x.toFixed(0));
 }
 function cell(row, text, cls) {
   const td = row.insertCell();
   td.textContent = text;
   if (cls) td.className = cls;
 }
+const STATUS_CLASS = {"healthy": "ok", "draining": "drain", "half-open": "drain"};
+function chart(name, points, key) {
+  const svg = $("chart-" + name);
+  svg.replaceChildren();
+  const values = points.map((p) => p[key]);
+  const top = Math.max(1e-9, ...values);
+  $("chart-" + name + "-label").textContent = name === "rejected" ? "429 / s" :
+    name + " / s (max " + rate(values.length ? Math.max(...values) : null) + ")";
+  if (values.length < 2) return;
+  const line = document.createElementNS(SVG, "polyline");
+  line.setAttribute("points", values.map(
+    (v, i) => (i * 260 / (values.length - 1)).toFixed(1) + "," + (68 - v / top * 66).toFixed(1)
+  ).join(" "));
+  svg.appendChild(line);
+}
 function render(s) {
+  $("about").textContent = "version " + s.version + " \\u00b7 mode " + s.mode
+    + " \\u00b7 policies " + s.policies.prefill + " / " + s.policies.decode
+    + " \\u00b7 discovery " + s.discovery + " \\u00b7 up " + Math.round(s.uptime_s) + " s";
   $("ready").textContent = s.ready ? "ready" : "not ready";
   $("ready").className = "value " + (s.ready ? "ok" : "bad");
+  const now = s.now || {};
+  $("rps").textContent = rate(now.requests);
+  $("eps").textContent = rate(now.errors);
+  $("rejected").textContent = rate(now.rejected);
+  $("tps").textContent = rate(now.tokens);
   const usable = (role) => s.engines.filter(
-    (e) => e.role === role && e.healthy && !e.draining).length;
+    (e) => e.role === role && e.status === "healthy").length;
   $("prefill-count").textContent = usable("prefill");
   $("decode-count").textContent = usable("decode");
   $("in-flight").textContent = s.engines.reduce((n, e) => n + e.in_flight, 0);
@@ -81,10 +136,27 @@ function render(s) {
     row.dataset.role = e.role;
     cell(row, e.role);
     cell(row, e.url, "url");
-    if (e.draining) cell(row, "draining", "drain");
-    else cell(row, e.healthy ? "healthy" : "unhealthy", e.healthy ? "ok" : "bad");
+    cell(row, e.status, STATUS_CLASS[e.status] || "bad");
+    cell(row, e.breaker, e.breaker === "closed" ? "" : "bad");
     cell(row, String(e.in_flight));
+    cell(row, String(e.consecutive_errors));
+    cell(row, e.kv_event_batches === null ? "-" : String(e.kv_event_batches));
   }
+  $("history-title").textContent = "Last " + Math.round(
+    s.history.length ? (s.history[s.history.length - 1].t - s.history[0].t) : 0)
+    + " s (kept: 5 minutes)";
+  chart("requests", s.history, "requests");
+  chart("errors", s.history, "errors");
+  chart("rejected", s.history, "rejected");
+  chart("tokens", s.history, "tokens");
+  const kv = [];
+  for (const [index, n] of Object.entries(s.kv.prefix_index_entries)) {
+    kv.push("prefix index " + index + ": " + n + " entries");
+  }
+  for (const [result, n] of Object.entries(s.kv.kv_aborts)) {
+    kv.push("KV frees asked (" + result + "): " + n);
+  }
+  $("kv").textContent = kv.length ? kv.join(" \\u00b7 ") : "no KV figures known to the router";
   $("error").textContent = "";
   document.body.dataset.loaded = "true";
 }

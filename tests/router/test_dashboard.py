@@ -17,7 +17,9 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from router.dashboard import HistogramWindow
+from router import __version__
+from router.dashboard import HistogramWindow, History
+from router.metrics import RouterMetrics
 from tests.router.conftest import MODEL, RunningRouter
 from tests.router.fake_engine import FakeEngine
 
@@ -85,6 +87,10 @@ async def test_state_lists_engines_and_recent_ttft(cluster: RunningRouter) -> No
     assert engines[("decode", cfg.decode[0])] == (True, 0, False)
     assert all(in_flight == 0 and not draining for _, in_flight, draining in engines.values())
     assert state["ttft"]["count"] == 1 and state["ttft"]["p50_s"] > 0
+    assert state["version"] == __version__ and state["mode"] == "pull"
+    assert state["policies"] == {"prefill": cfg.prefill_policy, "decode": cfg.decode_policy}
+    assert all(e["breaker"] == "closed" for e in state["engines"])
+    assert {e["status"] for e in state["engines"]} <= {"healthy", "unhealthy"}
     page = await cluster.client.get("/dashboard")
     assert page.headers["content-type"].startswith("text/html")
     assert "<script" in page.text and "src=" not in page.text  # no external assets
@@ -195,7 +201,7 @@ async def test_page_shows_the_engines_in_a_real_browser(
 ) -> None:
     state = (await cluster.client.get("/dashboard/state")).json()
     expected = sorted(
-        [e["role"], e["url"], "healthy" if e["healthy"] else "unhealthy", "0"]
+        [e["role"], e["url"], e["status"], "closed", "0", str(e["consecutive_errors"]), "-"]
         for e in state["engines"])
     async with browser(tmp_path) as page:
         await page.call("Page.navigate", url=f"{cluster.url}/dashboard")
@@ -210,11 +216,57 @@ async def test_page_shows_the_engines_in_a_real_browser(
             ".map(r => [...r.cells].map(c => c.textContent))")
         status = await page.evaluate("document.getElementById('ready').textContent")
         ttft = await page.evaluate("document.getElementById('ttft-label').textContent")
+        about = await page.evaluate("document.getElementById('about').textContent")
         await page.call("Page.reload")  # a second load: still no errors
         await asyncio.sleep(0.3)
         shot = await page.call("Page.captureScreenshot", format="png")
         errors = page.errors()
     assert sorted(rows) == expected and len(rows) == 3
     assert status == "ready" and "(1 req)" in ttft
+    assert f"version {__version__}" in about and "mode pull" in about
     assert errors == [], errors
     assert shot["data"]  # the page painted
+
+
+def test_history_keeps_five_minutes_of_rates() -> None:
+    metrics = RouterMetrics.create(CollectorRegistry())
+    clock = Clock()
+    history = History(span_s=300.0, every_s=5.0, clock=clock)
+    history.sample(metrics, in_flight=0)
+    assert not history.points and not history.due()
+    for status, n in (("200", 20), ("429", 5), ("502", 2), ("499", 3)):
+        metrics.child(metrics.requests, "/v1/completions", status).inc(n)
+    metrics.observe_usage("tiny", {"prompt_tokens": 40, "completion_tokens": 100})
+    clock.now += 10
+    assert history.due()
+    history.sample(metrics, in_flight=4)
+    point = history.points[-1]
+    # 30 answers in 10 s: 2 errors (the 499s are clients that left, the 429s refusals).
+    assert (point.requests, point.errors, point.rejected, point.tokens, point.in_flight) == (
+        3.0, 0.2, 0.5, 10.0, 4)
+    for _ in range(70):  # 350 s more: the oldest points leave the window
+        clock.now += 5
+        history.sample(metrics, in_flight=0)
+    assert history.points[0].t == clock.now - 300 and len(history.points) == 61
+    assert history.points[-1].requests == 0.0
+
+
+async def test_an_engine_with_an_open_breaker_is_not_shown_healthy(
+    make_engine: MakeEngine, start_router: StartRouter
+) -> None:
+    """P1 passes every health check but fails its requests: its breaker opens, and the page
+    must say so rather than "healthy"."""
+    p0 = await make_engine(engine_id="P0")
+    p1 = await make_engine(engine_id="P1", fail_status=503)
+    d0 = await make_engine(engine_id="D0")
+    router = await start_router([p0, p1], [d0], prefill_policy="round-robin",
+                                eject_consecutive_errors=1, breaker_open_s=600.0)
+    for _ in range(2):
+        await completion(router)
+    assert p1.requests, "round-robin never sent P1 a request"
+    state = (await router.client.get("/dashboard/state")).json()
+    by_url = {e["url"]: e for e in state["engines"]}
+    bad = by_url[p1.url]
+    assert (bad["status"], bad["breaker"], bad["healthy"]) == ("breaker open", "open", True)
+    assert by_url[p0.url]["status"] == "healthy"
+    assert state["now"] is None or state["now"]["errors"] == 0  # retried: clients saw 200s

@@ -12,8 +12,16 @@ The P leg is watched until it answers: if it fails, the decode leg is cancelled 
 registration and frees its blocks) and the client gets P's error — or an SSE error event if
 D's stream had already started. If P answers without pushing (it stopped early, as vLLM does
 when no KV is worth keeping), D is told to stop waiting and computes the prompt itself
-(counted as a fallback). A prefill engine without `/v1/kv/info` (not a shim) makes the
-request run the pull flow instead.
+(counted as a fallback).
+
+vLLM prefill engines (`NixlPushConnector`) have no `/v1/kv/info`: their identity is learnt
+from their answers (router/flows/push_identity.py). The first request to one runs P, then D;
+later ones run both legs at once. When P's answer shows that D's leg named a stale identity
+(P restarted under a new engine id), or D failed before P answered and P's answer names
+another identity, D's leg is sent again with the identity P answered: P still holds the
+prompt for a registration. A vLLM D cannot be told a push deadline, so the router bounds
+it: a stream must start within `kv_wait_s` of P's answer. A vLLM engine answering as a pull
+engine makes that request read the KV (pull) and later ones run the pull flow.
 """
 
 from __future__ import annotations
@@ -25,9 +33,10 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
+from proxy.kv_contract import Continuation, PushDecodeParams, PushPrefillParams
 from router.aborts import Aborter
 from router.engines import EngineStream
-from router.errors import EngineError, EngineRejected, RouterError
+from router.errors import EngineError, EngineTimeout, RouterError
 from router.flows.base import FlowParts, StreamResult
 from router.flows.bodies import decode_leg_body, prefill_leg_body, remote_prefill
 from router.flows.common import (
@@ -40,6 +49,14 @@ from router.flows.common import (
 )
 from router.flows.early_token import eligible, first_token_ids, head_chunks
 from router.flows.failover import Exclusions, LegFailure, PullInstead, choose_prefill, run_or_pull
+from router.flows.push_identity import (
+    Learned,
+    PushPeers,
+    ShimPeer,
+    VllmIdentity,
+    VllmPeer,
+    vllm_request_id,
+)
 from router.policies import PickContext, choose
 from router.pool import Endpoint
 from router.schema import ClientRequest
@@ -61,7 +78,7 @@ class PushFlow:
         self.orch = orch
         self.metrics = metrics
         self.aborter = aborter
-        self.info = info
+        self.peers = PushPeers(info)
         self.early_first_token = early_first_token
 
     async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult | None:
@@ -80,23 +97,23 @@ class PushFlow:
         ctx = PickContext.of(req)
         p_ep = await choose_prefill(o.pool, o.policies["prefill"], ctx, ex)
         d_ep = await choose(o.pool, "decode", o.policies["decode"], ctx, exclude=ex.decode)
-        info = await self._info_or_fail(p_ep, req)
+        peer = await self._peer_or_fail(p_ep, req)
+        if not isinstance(peer, ShimPeer):
+            return await self._attempt_vllm(req, p_ep, d_ep, peer.identity, t0)
+        info = peer.info
         n = len(req.prompt_token_ids or ())
         # P's landed notice names its token: D can continue after it, so the client may
         # get it from P's reply at once (router/flows/early_token.py).
         early = req.stream and self.early_first_token and info.get("landed_tokens") is True \
             and eligible(req)
-        p_body = prefill_leg_body(req.body, {"pdgate_mode": MODE, "num_tokens": n})
-        d_params = {
-            "pdgate_mode": MODE, "remote_engine_id": info["engine_id"],
-            "remote_host": info["host"], "remote_port": info["port"],
-            "remote_agent_name": info.get("agent_name"), "num_tokens": n,
+        p_body = prefill_leg_body(req.body, PushPrefillParams(num_tokens=n).to_params())
+        d_params = PushDecodeParams(
+            remote_engine_id=info["engine_id"], remote_host=info["host"],
+            remote_port=info["port"], remote_agent_name=info.get("agent_name"), num_tokens=n,
             # Wall clock past which D stops waiting for P's KV (fails or recomputes, per its
             # --kv-load-failure-policy) instead of its own longer transfer timeout.
-            "push_deadline": time.time() + self.kv_wait_s,
-        }
-        if early:
-            d_params["continue_after_prefill"] = True
+            push_deadline=time.time() + self.kv_wait_s, continue_after_prefill=bool(early),
+        ).to_params()
         d_body = decode_leg_body(req.body, remote_prefill(d_params))
         leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, p_body)
         req.served_by["decode"] = d_ep.url
@@ -112,17 +129,45 @@ class PushFlow:
         except RouterError as exc:  # the decode leg's own failure; nothing sent yet
             raise LegFailure("decode", d_ep, exc) from None
 
-    async def _info_or_fail(self, p_ep: Endpoint, req: ClientRequest) -> dict[str, Any]:
-        try:
-            info = await self.info.get(p_ep, req.engine_headers)
-        except EngineRejected as exc:
-            if exc.status != 404:
-                raise
+    async def _peer_or_fail(self, p_ep: Endpoint, req: ClientRequest) -> ShimPeer | VllmPeer:
+        if self.peers.pull_only(p_ep):
             self.orch.metrics.fallbacks.labels("no_push").inc()
-            raise PullInstead from None
+            raise PullInstead
+        try:
+            return await self.peers.get(p_ep, req.engine_headers)
         except RouterError as exc:
             raise LegFailure("prefill", p_ep, exc) from None
-        return info
+
+    async def _attempt_vllm(self, req: ClientRequest, p_ep: Endpoint, d_ep: Endpoint,
+                            identity: VllmIdentity | None, t0: float) -> bytes | StreamResult:
+        """One try with a vLLM prefill engine: both legs at once when its identity is
+        known, else P first (D's leg then names the identity P answered)."""
+        o = self.orch
+        leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, prefill_leg_body(req.body))
+        req.served_by["decode"] = d_ep.url
+        watch = _Watch(self, req, leg, p_ep, d_ep, vllm=True, sent=identity)
+        try:
+            if identity is None:
+                d_params = await watch.answer()
+            else:
+                d_params = identity.decode_params(vllm_request_id(req))
+            watch.redrive_ok = True
+            for _ in range(2):  # once more at most: P's answer has settled what D needs
+                body = decode_leg_body(req.body, d_params)
+                try:
+                    if req.stream:
+                        return await self._open_decode(req, d_ep, body, watch, t0)
+                    return await self._run_decode(req, d_ep, body, watch, t0)
+                except _Redrive as redo:
+                    log.info("request %s: sending the decode leg again with the prefill "
+                             "engine's answer (%s)", req.request_id, redo.why)
+                    d_params = redo.params
+            raise AssertionError("unreachable")
+        except LegFailure:
+            raise
+        except RouterError as exc:
+            self.peers.forget(p_ep)  # it may be stale: the next request learns it anew
+            raise LegFailure("decode", d_ep, exc) from None
 
     async def _run_decode(self, req: ClientRequest, d_ep: Endpoint, body: bytes,
                           watch: _Watch, t0: float) -> bytes:
@@ -133,7 +178,7 @@ class PushFlow:
                 return await o.engines.post_raw(d_ep.url, req.path, body, req.engine_headers)
 
         raw = await watch.run(asyncio.create_task(call()))
-        o.metrics.child(o.metrics.ttft, MODE).observe(time.perf_counter() - t0)
+        o.metrics.observe_ttft(MODE, t0)
         usage = watch.leg.usage() if watch.pushed else None
         return raw if usage is None else rewrite_reply_usage(raw, usage)
 
@@ -155,6 +200,16 @@ class PushFlow:
     async def _open_decode(self, req: ClientRequest, d_ep: Endpoint, body: bytes,
                            watch: _Watch, t0: float) -> StreamResult:
         stream, stack = await self._open_watched(req, d_ep, body, watch)
+        if watch.vllm:
+            # vLLM sends a stream's headers at once, and a failure as 200 + an SSE error
+            # event: its first line says whether the KV landed, before the client sees one.
+            first = asyncio.create_task(stream.check_start(self.orch.engines.first_byte_timeout_s))
+            try:
+                await watch.run(first, after_answer_s=self.kv_wait_s)
+            except BaseException:
+                stack.close()
+                raise
+            watch.redrive_ok = False
         stack.callback(watch.leg.cancel)  # a no-op once P has answered
         source = _WatchedStream(stream, watch)
         stack.callback(self._release_prefill_unless, source, watch)
@@ -227,40 +282,99 @@ class _Continuation:
                         "engine's token with its KV (%s); recomputing", req.request_id,
                         exc.message)
             metrics.early_tokens.labels("recompute").inc()
-            stream = await open_continuation(o.engines, req, self._d_ep.url,
-                                             {"first_token_ids": self._ids}, self._stack)
+            again = Continuation(first_token_ids=self._ids).to_params()
+            stream = await open_continuation(o.engines, req, self._d_ep.url, again,
+                                             self._stack)
         async for chunk in stream.chunks():
             yield chunk
         self.finished = True
 
 
+class _Redrive(Exception):  # noqa: N818 -- a signal, not an error
+    """P's answer changed what D's leg must carry (vLLM): send it again with `params`."""
+
+    def __init__(self, params: dict[str, Any] | None, why: str) -> None:
+        super().__init__(why)
+        self.params, self.why = params, why
+
+
 class _Watch:
-    """Runs a decode-leg step while watching the prefill leg (see the module docstring)."""
+    """Runs a decode-leg step while watching the prefill leg (see the module docstring).
+    `vllm`: P is a vLLM engine and `sent` the identity D's leg names (None: not out yet)."""
 
     def __init__(self, flow: PushFlow, req: ClientRequest, leg: PrefillLeg, p_ep: Endpoint,
-                 d_ep: Endpoint) -> None:
+                 d_ep: Endpoint, *, vllm: bool = False, sent: VllmIdentity | None = None
+                 ) -> None:
         self.flow = flow
         self.req = req
         self.leg = leg
         self.p_ep = p_ep
         self.d_ep = d_ep
+        self.vllm, self.sent = vllm, sent
         self.pushed = False  # P answered and kept its KV for D
+        self.d_params: dict[str, Any] | None = None  # vLLM: D's params P's answer settled
+        self.redrive_ok = False  # vLLM: D's leg is out, and may be sent again
         self._settled = False  # prefill_done ran
 
-    async def run(self, step: asyncio.Task[T]) -> T:
+    async def answer(self) -> dict[str, Any] | None:
+        """vLLM, P first: wait for P's answer and return the decode params it settles
+        (raises P's failure)."""
+        try:
+            await asyncio.wait({self.leg.task})
+        except BaseException:
+            self.leg.cancel()
+            raise
+        self.prefill_done()
+        return self.d_params
+
+    async def run(self, step: asyncio.Task[T], *, after_answer_s: float | None = None) -> T:
         """`step`'s result; cancels it and raises when P fails first. Any failure of `step`
-        aborts P's side."""
+        aborts P's side. `after_answer_s`: once P has answered, `step` must end within
+        this many seconds (a vLLM D waits for a push without a deadline of its own)."""
         try:
             if not self.leg.task.done():
                 await asyncio.wait({step, self.leg.task}, return_when=asyncio.FIRST_COMPLETED)
             if self.leg.task.done() and not step.done():
                 self.prefill_done()
+            if after_answer_s is not None and not step.done():
+                done, _ = await asyncio.wait({step}, timeout=after_answer_s)
+                if not done:
+                    raise EngineTimeout(
+                        f"decode engine {self.d_ep.url} received no KV from prefill engine "
+                        f"{self.p_ep.url} within {after_answer_s:g} s of its answer")
             return await step
-        except BaseException:
+        except _Redrive:
             step.cancel()
-            self.leg.cancel()
-            self.flow.aborter.abort(self.p_ep.url, self.req.request_id)
             raise
+        except RouterError as exc:
+            if not isinstance(exc, LegFailure):
+                try:
+                    await self._answer_after_failure()
+                except _Redrive:
+                    step.cancel()  # P holds the prompt for D's next registration
+                    raise
+                except BaseException:
+                    self._release(step)
+                    raise
+            self._release(step)
+            raise
+        except BaseException:
+            self._release(step)
+            raise
+
+    def _release(self, step: asyncio.Task[Any]) -> None:
+        step.cancel()
+        self.leg.cancel()
+        self.flow.aborter.abort(self.p_ep.url, self.req.request_id)
+
+    async def _answer_after_failure(self) -> None:
+        """vLLM: D failed before P answered. D's leg may have named a stale identity (P
+        restarted under a new engine id), so P's answer decides: `_Redrive` when it names
+        another one (or no push), else D's failure stands."""
+        if not self.vllm or self._settled or not self.redrive_ok:
+            return
+        await asyncio.wait({self.leg.task})  # bounded by the prefill deadline
+        self.prefill_done()
 
     def prefill_done(self) -> None:
         """React to P's answer: raise P's error, or tell D to stop waiting if P did not
@@ -279,11 +393,26 @@ class _Watch:
         self.p_ep.health.record_success()
         self._settled = True
         params = self.leg.kv_params()
+        self.flow.orch.metrics.prefill_duration.observe(time.perf_counter() - self.leg.t0)
+        if self.vllm:
+            self._settle_vllm(params)
+            return
         self.pushed = isinstance(params, dict) and params.get("pdgate_mode") == MODE
         if not self.pushed:
             self.flow.orch.metrics.fallbacks.labels("no_kv_push").inc()
             self.flow.aborter.abort(self.d_ep.url, self.req.request_id)
-        self.flow.orch.metrics.prefill_duration.observe(time.perf_counter() - self.leg.t0)
+
+    def _settle_vllm(self, params: Any) -> None:
+        learned, d_params = self.flow.peers.answer(self.p_ep, params, self.sent, self.req)
+        self.pushed = learned in (Learned.SAME, Learned.CHANGED)
+        if learned is Learned.SAME:
+            return
+        if not self.pushed:  # D reads the KV (a pull answer) or computes the prompt
+            reason = "no_push" if learned is Learned.PULL else "no_kv_push"
+            self.flow.orch.metrics.fallbacks.labels(reason).inc()
+        self.d_params = d_params
+        if self.redrive_ok:
+            raise _Redrive(d_params, f"the prefill engine answered {learned.value}")
 
 
 class _WatchedStream:

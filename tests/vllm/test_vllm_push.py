@@ -1,0 +1,245 @@
+"""pdgate's router in push mode (`--pd-mode push`) in front of REAL vLLM engines started
+with `NixlPushConnector`: both legs at once, D registers its blocks with P, P WRITEs.
+
+This module starts its own push-mode engines (prefill engines PA and PB on core 0, decode
+engine D on core 1) and stops them at its end. PB also serves as the colocated reference
+(a request without `kv_transfer_params` is an ordinary one). The router learns each
+prefill engine's NIXL identity from its first answer; the last test kills PB under load
+and restarts it on the same ports under a new engine id, which the router learns again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+
+from tests.e2e.cluster import metric
+from tests.vllm.conftest import ENGINE_START_TIMEOUT_S, LOG_DIR
+from tests.vllm.processes import (
+    SERVED_NAME,
+    Proc,
+    _spawn,
+    push_connector,
+    start_router,
+    start_vllm,
+    vllm_env,
+    wait_ready,
+)
+from tests.vllm.test_vllm_pd import (
+    IGNORE_EOS,
+    acomplete,
+    client,
+    complete,
+    kv_sources,
+    unique_prompt,
+)
+from tests.vllm.test_vllm_zfault import _load_with_kill, _recovered, _routed
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+
+PUSH_LOGS = LOG_DIR / "push"
+# Two engines per core at most: PA alone on core 0 (three vLLM engines sharing one core,
+# with other load on the machine, stalled a worker for over a minute).
+CORES = {"PA": "0", "PB": "1", "D": "1"}
+MAX_TOKENS = 12  # as test_vllm_zfault's helpers generate
+ROUTER_ARGS = [
+    "--pd-mode", "push", "--prefill-policy", "round-robin",
+    "--health-interval-s", "1", "--health-timeout-s", "1",
+    "--prefill-timeout-s", "60", "--decode-first-byte-timeout-s", "120",
+    "--kv-ready-timeout-s", "30",
+    "--max-retries", "1", "--eject-consecutive-errors", "3", "--breaker-open-s", "2",
+]
+
+
+@dataclass
+class Push:
+    """This module's engines and routers."""
+
+    model_dir: Path
+    pa: Proc
+    pb: Proc  # also the colocated reference
+    d: Proc
+    procs: list[Proc]  # every process started (restarts too), stopped at the module's end
+
+    def router(self, name: str, prefill: list[Proc]) -> Proc:
+        proc = start_router(self.model_dir, [p.url for p in prefill], [self.d.url],
+                            PUSH_LOGS / name, ROUTER_ARGS)
+        self.procs.append(proc)
+        wait_ready([proc], "/ready", 60.0)
+        return proc
+
+
+def _push_config(name: str) -> dict[str, object]:
+    # A fresh engine id per start: vLLM's push connector keys a peer's NIXL agent by engine
+    # id, so a restarted engine must not reuse its old one (docs/vllm.md).
+    return push_connector(f"{name}-{uuid.uuid4().hex[:8]}")
+
+
+@pytest.fixture(scope="module")
+def push(vllm_python: Path, vllm_model_dir: Path) -> Iterator[Push]:
+    procs = [start_vllm(vllm_python, vllm_model_dir, name, PUSH_LOGS, core=core,
+                        kv_config=_push_config(name))
+             for name, core in CORES.items()]
+    try:
+        wait_ready(procs, "/health", ENGINE_START_TIMEOUT_S)
+        yield Push(vllm_model_dir, procs[0], procs[1], procs[2], procs)
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+def router_1p(push: Push) -> Proc:
+    return push.router("router-push-1p", [push.pa])
+
+
+def _logs(push: Push) -> str:
+    return "\n".join(p.log_tail() for p in push.procs)
+
+
+def test_completion_kv_pushed_not_recomputed(push: Push, router_1p: Proc) -> None:
+    """The first request to PA learns its identity (P, then D); the second sends both
+    legs at once. Both: greedy text equal to a colocated engine's, and D's own metrics
+    count every prompt token as loaded over NIXL, none computed."""
+    for _ in range(2):
+        prompt = unique_prompt(60)
+        external0, local0 = kv_sources(push.d.url)
+        raw = client(router_1p.url).completions.with_raw_response.create(
+            model=SERVED_NAME, prompt=prompt, max_tokens=16, temperature=0,
+            extra_body=IGNORE_EOS)
+        done = raw.parse()
+        external1, local1 = kv_sources(push.d.url)
+        assert raw.headers["x-pdgate-prefill-engine"] == push.pa.url
+        assert raw.headers["x-pdgate-decode-engine"] == push.d.url
+        colocated = complete(push.pb.url, prompt, 16)
+        assert done.choices[0].text == colocated.choices[0].text
+        assert done.usage is not None and colocated.usage is not None
+        assert done.usage.prompt_tokens == colocated.usage.prompt_tokens
+        assert external1 - external0 == done.usage.prompt_tokens, _logs(push)
+        assert local1 == local0
+    assert metric(router_1p.url, "pdgate_fallbacks_total") == 0
+
+
+def _chat(url: str, content: str, **extra: Any) -> Any:
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": content}]
+    return client(url).chat.completions.create(
+        model=SERVED_NAME, messages=messages, max_tokens=12, temperature=0,
+        extra_body=IGNORE_EOS, **extra)
+
+
+def test_chat_and_streaming_equal_colocated(push: Push, router_1p: Proc) -> None:
+    """Chat, streaming chat and streaming completions through push: the colocated text,
+    and each stream's prompt arrived over NIXL."""
+    content = f"{uuid.uuid4().hex} Tell me a story about a cat."
+    via_router = _chat(router_1p.url, content)
+    colocated = _chat(push.pb.url, content)
+    assert via_router.choices[0].message.content == colocated.choices[0].message.content
+
+    content = f"{uuid.uuid4().hex} Tell me a story about a dog."
+    external0, local0 = kv_sources(push.d.url)
+    chunks = list(_chat(router_1p.url, content, stream=True,
+                        stream_options={"include_usage": True}))
+    external1, local1 = kv_sources(push.d.url)
+    colocated = _chat(push.pb.url, content)
+    streamed = "".join(x.choices[0].delta.content or "" for x in chunks if x.choices)
+    assert streamed == colocated.choices[0].message.content
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 12
+    assert usage.prompt_tokens == colocated.usage.prompt_tokens
+    assert external1 - external0 == usage.prompt_tokens, _logs(push)
+    assert local1 == local0
+
+    prompt = unique_prompt(40)
+    streamed_text = "".join(x.choices[0].text for x in client(router_1p.url).completions.create(
+        model=SERVED_NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+        extra_body=IGNORE_EOS) if x.choices)
+    assert streamed_text == complete(push.pb.url, prompt, 12).choices[0].text
+
+
+async def test_concurrent_requests_all_pushed(push: Push, router_1p: Proc) -> None:
+    prompts = [unique_prompt(10 + 6 * i) for i in range(6)]
+    external0, local0 = kv_sources(push.d.url)
+    via_router = await asyncio.gather(*(acomplete(router_1p.url, p, 8) for p in prompts))
+    external1, local1 = kv_sources(push.d.url)
+    colocated = [await acomplete(push.pb.url, p, 8) for p in prompts]
+    assert [r.choices[0].text for r in via_router] == [x.choices[0].text for x in colocated]
+    assert external1 - external0 == sum(x.usage.prompt_tokens for x in colocated if x.usage)
+    assert local1 == local0
+
+
+@pytest.fixture(scope="module")
+def router_2p(push: Push) -> Proc:
+    return push.router("router-push-2p", [push.pa, push.pb])
+
+
+def test_two_prefill_engines_both_push(push: Push, router_2p: Proc) -> None:
+    """2P1D, round-robin: each prefill engine's identity is learnt on its first request
+    and D gets every prompt's KV from whichever engine prefilled it."""
+    external0, local0 = kv_sources(push.d.url)
+    served, prompt_tokens = [], 0
+    for _ in range(4):
+        prompt = unique_prompt(30)
+        engine, done = asyncio.run(_routed(router_2p.url, prompt))
+        served.append(engine)
+        assert done.usage is not None
+        prompt_tokens += done.usage.prompt_tokens
+        assert done.choices[0].text == complete(push.pa.url, prompt, MAX_TOKENS).choices[0].text
+    external1, local1 = kv_sources(push.d.url)
+    assert served == [push.pa.url, push.pb.url, push.pa.url, push.pb.url]
+    assert external1 - external0 == prompt_tokens, _logs(push)
+    assert local1 == local0
+
+
+def _restart_new_id(dead: Proc) -> Proc:
+    """The same engine again (HTTP and NIXL side-channel ports) under a new engine id."""
+    argv = [str(a) for a in cast("list[str]", dead.popen.args)]
+    at = argv.index("--kv-transfer-config") + 1
+    argv[at] = json.dumps(_push_config(dead.name.split("-")[0]))
+    env = vllm_env(CORES[dead.name.split("-")[0]], dead.extra["side_channel_port"])
+    proc = _spawn(f"{dead.name}-restarted", argv, env, PUSH_LOGS, dead.url)
+    proc.extra = dict(dead.extra)
+    return proc
+
+
+async def test_prefill_engine_killed_and_restarted(push: Push, router_2p: Proc) -> None:
+    """kill -9 PB while 12 requests run 4 at a time: every request returns the colocated
+    text (legs cut off by the kill are retried on PA). PB restarted on the same ports under
+    a new engine id: the router's cached identity is stale, D's leg naming it fails, P's
+    answer names the new one and D's leg is sent again; D then gets KV from PB again."""
+    before = _recovered(router_2p.url)
+    prompts = [unique_prompt(20 + 8 * (i % 4)) for i in range(12)]
+    results = await _load_with_kill(router_2p.url, prompts, push.pb, kill_after=3)
+    colocated = [await acomplete(push.pa.url, p, MAX_TOKENS) for p in prompts]
+    assert [r.choices[0].text for _, r in results] == [x.choices[0].text for x in colocated]
+    assert _recovered(router_2p.url) > before, _logs(push)
+
+    dead = push.pb
+    push.pb = _restart_new_id(dead)
+    push.procs.append(push.pb)
+    wait_ready([push.pb], "/health", ENGINE_START_TIMEOUT_S)
+    external0, local0 = kv_sources(push.d.url)
+    served: list[str] = []
+    prompt_tokens = 0
+    for _ in range(20):  # the router takes PB back within a health interval or two
+        prompt = unique_prompt(30)
+        engine, done = await _routed(router_2p.url, prompt)
+        served.append(engine)
+        assert done.usage is not None
+        prompt_tokens += done.usage.prompt_tokens
+        assert done.choices[0].text == (await acomplete(push.pa.url, prompt, MAX_TOKENS)
+                                        ).choices[0].text
+        if served.count(dead.url) >= 2:
+            break
+        await asyncio.sleep(0.5)
+    assert served.count(dead.url) >= 2, served
+    external1, local1 = kv_sources(push.d.url)
+    assert external1 - external0 == prompt_tokens, _logs(push)  # every prompt pushed
+    assert local1 == local0

@@ -34,8 +34,12 @@ ENGINE_KEY = "sk-test-engine-key-0123"
 def push_connector(engine_id: str) -> dict[str, object]:
     """`--kv-transfer-config` of a NixlPushConnector engine named `engine_id` (an engine
     restarted under a new id is a new NIXL peer to every decode engine)."""
+    # kv_lease_duration: how long P holds a prefilled prompt for D's registration (vLLM's
+    # default 30 s ran out on this shared 2-core machine before a loaded D's first NIXL
+    # handshake with P completed; that request then never got its KV).
     return {"kv_connector": "NixlPushConnector", "kv_role": "kv_both",
-            "kv_buffer_device": "cpu", "engine_id": engine_id}
+            "kv_buffer_device": "cpu", "engine_id": engine_id,
+            "kv_connector_extra_config": {"kv_lease_duration": 120}}
 
 
 def free_port() -> int:

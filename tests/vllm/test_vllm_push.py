@@ -92,8 +92,11 @@ def push(vllm_python: Path, vllm_model_dir: Path) -> Iterator[Push]:
         wait_ready(procs, "/health", ENGINE_START_TIMEOUT_S)
         yield Push(vllm_model_dir, procs[0], procs[1], procs[2], procs)
     finally:
-        for proc in procs:
-            proc.stop()
+        for proc in reversed(procs):  # routers first; one slow stop must not skip the rest
+            try:
+                proc.stop()
+            except Exception as exc:  # noqa: BLE001 -- keep stopping the others
+                print(f"stopping {proc.name} (pid {proc.popen.pid}) failed: {exc!r}")
 
 
 @pytest.fixture(scope="module")

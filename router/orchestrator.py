@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+from router import request_context
 from router.decider import Decider, Decision, PrefixDecider, decide
 from router.errors import ContextLengthExceeded
 from router.flows.base import Flow, StreamResult
@@ -37,7 +38,10 @@ class Orchestrator:
         await self.tokenize(req)
         decision = self.decider.decide(req)
         self.metrics.child(self.metrics.disagg_decisions, decision.reason).inc()
-        t0 = time.perf_counter()
+        # TTFT counts from the request's arrival (admission queue and tokenization included),
+        # as the client sees it.
+        record = request_context.current()
+        t0 = record.arrival if record is not None else time.perf_counter()
         if not decision.disagg:
             return await self.pull.direct(req, t0)
         result = await self.pd_flow.run(req, t0)

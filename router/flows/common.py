@@ -2,7 +2,7 @@
 run off the critical path, engine KV info, best-effort aborts, and the decode relay.
 
 The `kv_transfer_params` keys below are the contract with the engine shim
-(engine_shim/push.py documents the engine side); vLLM engines ignore unknown keys but do not
+(typed and versioned in proxy/kv_contract.py); vLLM engines ignore unknown keys but do not
 implement these flows, so a decode engine without `/v1/kv/reserve` makes notify fall back to
 pull (counted).
 """
@@ -212,7 +212,7 @@ async def relay_chunks(chunks: AsyncIterator[bytes], rewriter: UsageRewriter | N
             if last:
                 metrics.inter_token_latency.observe(now - last)
             else:
-                metrics.child(metrics.ttft, mode).observe(now - t0)
+                metrics.observe_ttft(mode, t0, now)
             last = now
             out = rewriter.feed(chunk) if rewriter else chunk
             if out:

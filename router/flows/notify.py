@@ -36,6 +36,7 @@ from proxy import (
     WaiterLimitExceeded,
     WaiterTable,
 )
+from proxy.kv_contract import Continuation, NotifyDecodeParams, NotifyPrefillParams
 from router.aborts import Aborter
 from router.errors import (
     EngineError,
@@ -164,16 +165,15 @@ class NotifyFlow:
         except WaiterLimitExceeded:
             raise Overloaded("too many requests are waiting for their KV cache; retry",
                              reason="kv_waiters") from None
-        body = prefill_leg_body(req.body, {
-            "pdgate_mode": MODE, "remote_engine_id": slot["engine_id"],
-            "remote_host": slot["host"], "remote_port": slot["port"],
-            "remote_agent_name": slot.get("agent_name"),
-            "remote_block_ids": slot["block_ids"], "reservation_id": slot["reservation_id"],
-            "num_tokens": n, "notify_endpoint": self.proxy.advertised_endpoint,
-            "notify_request_id": rid, "notify_token": token,
+        body = prefill_leg_body(req.body, NotifyPrefillParams(
+            remote_engine_id=slot["engine_id"], remote_host=slot["host"],
+            remote_port=slot["port"], remote_agent_name=slot.get("agent_name"),
+            remote_block_ids=slot["block_ids"], reservation_id=slot["reservation_id"],
+            num_tokens=n, notify_endpoint=self.proxy.advertised_endpoint,
+            notify_request_id=rid, notify_token=token,
             # Past this (wall clock) P must not start writing: D's blocks are going away.
-            "write_deadline": time.time() + self.timeout,
-        })
+            write_deadline=time.time() + self.timeout,
+        ).to_params())
         o = self.orch
         leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, body)
         # P failing, or answering without pushing (it stopped early), wakes the wait now.
@@ -195,8 +195,8 @@ class NotifyFlow:
         p_ep.health.record_success()
         self.metrics.kv_wait.labels(MODE).observe(time.perf_counter() - leg.t0)
         o.metrics.prefill_duration.observe(time.perf_counter() - leg.t0)
-        return _Leg(leg, {"pdgate_mode": MODE, "reservation_id": slot["reservation_id"],
-                          "num_tokens": n})
+        return _Leg(leg, NotifyDecodeParams(reservation_id=slot["reservation_id"],
+                                            num_tokens=n).to_params())
 
     def _failed(self, req: ClientRequest, leg: PrefillLeg, p_ep: Endpoint, d_ep: Endpoint,
                 exc: BaseException) -> _Leg:
@@ -237,7 +237,7 @@ class NotifyFlow:
         except BaseException:
             self.aborter.abort(d_ep.url, req.request_id)
             raise
-        o.metrics.child(o.metrics.ttft, MODE).observe(time.perf_counter() - t0)
+        o.metrics.observe_ttft(MODE, t0)
         usage = kv.leg.usage() if kv.params is not None else None
         if usage is None and kv.params is not None and not kv.leg.task.done():
             # P's reply left before its KV did, so this wait is ~never taken.
@@ -329,10 +329,9 @@ class _EarlyStream:
             kv = None
         if kv is None:
             flow.metrics.early_tokens.labels("recompute").inc()
-            return {"first_token_ids": self._ids}
+            return Continuation(first_token_ids=self._ids).to_params()
         flow.metrics.early_tokens.labels("kv").inc()
-        return {"do_remote_prefill": True, "do_remote_decode": False, **kv,
-                "first_token_ids": self._ids}
+        return remote_prefill({**kv, **Continuation(first_token_ids=self._ids).to_params()})
 
     def close(self) -> None:
         self._stack.close()

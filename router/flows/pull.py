@@ -131,7 +131,7 @@ class PullFlow:
 
         raw = await run_leg(parts, "decode", req, call, reuse=bodies.take_fresh)
         bodies.settle(prefill)
-        parts.metrics.child(parts.metrics.ttft, mode).observe(time.perf_counter() - t0)
+        parts.metrics.observe_ttft(mode, t0)
         usage_from_p = _usage_to_apply(bodies.prefill)
         if usage_from_p is None:
             return raw

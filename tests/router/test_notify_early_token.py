@@ -79,7 +79,7 @@ async def test_kv_lost_after_the_first_token_has_d_recompute_and_continue(
     assert _texts(_events(resp.text)) == ["P", "Hello", " world", "!"]
     [decode] = d.decodes
     # No transfer to use: D computes the prompt, still continuing after P's token.
-    assert decode.body["kv_transfer_params"] == {"first_token_ids": [7]}
+    assert decode.body["kv_transfer_params"] == {"first_token_ids": [7], "pdgate_kv_version": 1}
     assert router.metric("pdgate_early_first_tokens_total", {"result": "recompute"}) == 1
     await until(lambda: p.aborts == [engine_rid(p)] and d.aborts == [engine_rid(p)])
 
@@ -151,7 +151,7 @@ async def test_push_continuation_that_cannot_start_is_recomputed_after_p_token(
     assert _texts(_events(resp.text)) == ["P", "Hello", " world", "!"]
     first, again = d.decodes
     assert first.body["kv_transfer_params"]["continue_after_prefill"] is True
-    assert again.body["kv_transfer_params"] == {"first_token_ids": [7]}
+    assert again.body["kv_transfer_params"] == {"first_token_ids": [7], "pdgate_kv_version": 1}
     assert router.metric("pdgate_early_first_tokens_total", {"result": "recompute"}) == 1
 
 

@@ -24,6 +24,8 @@ from engine_shim.kv_layout import LAYOUTS
 from engine_shim.logs import LOG_FORMATS, RequestIdMiddleware, setup_logging
 from engine_shim.metrics import ShimMetrics
 from engine_shim.server import ConnectorFactory, ManagedConnector, ServerSettings, create_app
+from engine_shim.tracing import open_tracing, traced
+from proxy.tracing import TracingUnavailable
 
 log = logging.getLogger("engine_shim")
 
@@ -119,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["critical", "error", "warning", "info", "debug"], help="log level")
     p.add_argument("--log-format", default="text", choices=LOG_FORMATS,
                    help="log lines as text or one JSON object each")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="OpenTelemetry: OTLP/HTTP URL spans are sent to (default: off, unless "
+                   "OTEL_EXPORTER_OTLP_*ENDPOINT is set; needs the otel extra)")
     _add_kv_timing(p)
     return p
 
@@ -257,6 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     except credentials.CredentialError as e:
         parser.error(str(e))
     setup_logging(args.log_level, args.log_format)
+    engine_id = args.engine_id or f"shim-{uuid.uuid4().hex[:12]}"
+    try:
+        tracing = open_tracing(args.otlp_traces_endpoint, engine_id, os.environ)
+    except TracingUnavailable as e:
+        parser.error(str(e))
     try:
         engine = Engine.load(engine_config(args), ShimMetrics.create())
     except (ValueError, OSError) as e:
@@ -265,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     factory = None
     if not args.no_kv_transfer:
         factory = nixl_connector_factory(ConnectorSettings(
-            engine_id=args.engine_id or f"shim-{uuid.uuid4().hex[:12]}",
+            engine_id=engine_id,
             side_channel_host=args.side_channel_host,
             side_channel_port=args.side_channel_port,
             lease_seconds=args.kv_lease_seconds,
@@ -282,7 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     config = uvicorn.Config(
-        RequestIdMiddleware(create_app(engine, connector_factory=factory, settings=edge)),
+        RequestIdMiddleware(traced(create_app(engine, connector_factory=factory,
+                                              settings=edge), tracing)),
         host=args.host, port=args.port,
         loop="uvloop", http="httptools", log_level=args.log_level,
         timeout_graceful_shutdown=args.graceful_shutdown_timeout, access_log=False,
@@ -295,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
         uvicorn.Server(config).run()
     except KeyboardInterrupt:
         pass
+    finally:
+        if tracing is not None:
+            tracing.shutdown()  # export what is still buffered
     return 0
 
 

@@ -16,12 +16,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from proxy.log_format import LOG_FORMATS, configure_logging
 
-__all__ = ["LOG_FORMATS", "RequestIdMiddleware", "setup_logging"]
+__all__ = ["LOG_FORMATS", "RequestIdMiddleware", "current_request_id", "setup_logging"]
 
 _MAX_ID_CHARS = 128  # a hostile header must not blow up every log line
 _request_id: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "pdgate_shim_request", default=None
 )
+
+
+def current_request_id() -> str | None:
+    """The id of the request being served (None outside one, or when it sent none)."""
+    return _request_id.get()
 
 
 def _fields() -> dict[str, Any]:

@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-dir", default=None, help="where process logs go (default: a temp dir)")
     p.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="log format of the router and the engines (their --log-format)")
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="OpenTelemetry OTLP/HTTP traces URL for the router and the engines")
     p.add_argument(
         "--startup-timeout", type=float, default=180.0,
         help="seconds to wait for every process to become ready",
@@ -150,6 +152,8 @@ def _engine_argv(args: argparse.Namespace, model: str, name: str, i: int) -> lis
     if args.kv_digests:
         argv.append("--kv-digests")
     argv += ["--log-format", args.log_format]
+    if args.otlp_traces_endpoint:
+        argv += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     if args.notify_secret:
         argv += ["--notify-secret", args.notify_secret]
     extra: list[str] = args.engine_arg
@@ -165,6 +169,8 @@ def _router_argv(args: argparse.Namespace, model_dir: str, engines: list[Child])
         "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy,
         "--pd-mode", args.pd_mode, "--log-format", args.log_format,
     ]
+    if args.otlp_traces_endpoint:
+        argv += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     if args.notify_secret:
         argv += ["--notify-secret", args.notify_secret]
     argv += args.router_arg

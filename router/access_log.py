@@ -5,7 +5,8 @@ A pure ASGI middleware (streaming answers pass through untouched): it opens the 
 learns, watches the response start for the status and the engine headers the API sets, and
 logs once the app returned, i.e. after the last byte of a stream. Fields: method, path,
 status, duration_s, request_id, client_request_id, model, mode, fallback, ttft_s,
-prompt_tokens, completion_tokens, prefill_engine, decode_engine (null when unknown).
+admission_wait_s, prompt_tokens, completion_tokens, prefill_engine, decode_engine (null
+when unknown).
 
 Probes and scrapes (`/health`, `/ready`, `/metrics`, `/dashboard/state`) are logged at
 DEBUG: every few seconds from each kubelet and Prometheus, they would bury the requests.
@@ -95,6 +96,8 @@ def _fields(record: RequestRecord, status: int, pd_mode: str) -> dict[str, Any]:
         "mode": _mode(record, pd_mode),
         "fallback": record.fallback,
         "ttft_s": None if record.ttft_s is None else round(record.ttft_s, 6),
+        "admission_wait_s": None if record.admission_wait_s is None
+        else round(record.admission_wait_s, 6),
         "prompt_tokens": record.prompt_tokens,
         "completion_tokens": record.completion_tokens,
         "prefill_engine": record.engines.get("prefill"),

@@ -8,7 +8,6 @@ cause comes back as a 4xx with an OpenAI-style body, never a 500.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -113,29 +112,53 @@ async def until_disconnected(
 ) -> bytes | StreamResult:
     """Await `work`, but cancel it (and so its engine legs) and raise `ClientGone` when the
     client disconnects first. Call only after the request body was read: from then on the
-    ASGI receive channel yields nothing but the disconnect."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request.receive))
+    ASGI receive channel yields nothing but the disconnect.
+
+    `work` runs in the caller's task (one watcher task per request, no task per leg
+    set and no `asyncio.wait`): the watcher cancels the caller when the client leaves."""
+    watch = _DisconnectWatch(request.receive)
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        result = await work
+    except asyncio.CancelledError:
+        if not watch.fired:
+            raise
+        watch.uncancel()  # the legs have unwound (the orchestrator freed P's blocks)
+        raise ClientGone from None
     finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-    if not task.cancelled() and task.done():
-        try:
-            return task.result()
-        finally:
-            # The exception re-raised here holds this frame, which holds the task, which
-            # holds the exception: a cycle that kept each refused request's memory (its
-            # body, its tokens) until the next full GC.
-            del task, watcher
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        result = await task  # let the legs unwind (the orchestrator frees P's blocks)
-        if isinstance(result, StreamResult):  # finished in the same instant: release it
+        watch.stop()
+    if watch.fired:  # the work swallowed the cancel and finished anyway: release it
+        watch.uncancel()
+        if isinstance(result, StreamResult):
             await result.chunks.aclose()
             result.close()
-    raise ClientGone
+        raise ClientGone
+    return result
+
+
+class _DisconnectWatch:
+    """Cancels the task that made it once the client disconnects (`fired` is then True).
+    `stop()` it when the guarded await is over; the caller `uncancel()`s after catching the
+    cancellation it caused."""
+
+    __slots__ = ("_target", "_task", "fired")
+
+    def __init__(self, receive: Receive) -> None:
+        target = asyncio.current_task()
+        assert target is not None
+        self._target = target
+        self.fired = False
+        self._task = asyncio.ensure_future(self._run(receive))
+
+    async def _run(self, receive: Receive) -> None:
+        await _wait_disconnect(receive)
+        self.fired = True
+        self._target.cancel()
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+    def uncancel(self) -> None:
+        self._target.uncancel()
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -160,12 +183,21 @@ class RelayResponse(StreamingResponse):
         self._on_close.append(callback)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # Starlette's own __call__ (ASGI < 2.4, as uvicorn speaks) runs the relay and a
+        # disconnect listener in an anyio task group per stream; one watcher task that
+        # cancels this one does the same job for less.
+        watch = _DisconnectWatch(receive)
         try:
-            await super().__call__(scope, receive, WriteDeadlineSend(send, self._write_timeout_s))
+            await self.stream_response(WriteDeadlineSend(send, self._write_timeout_s))
+        except asyncio.CancelledError:
+            if not watch.fired:
+                raise
+            watch.uncancel()  # the client left: the stream just ends
         except SlowReader as exc:
             # Returning with the response unfinished makes the server close the connection.
             log.warning("stream cut: %s", exc)
         finally:
+            watch.stop()
             try:
                 await self._result.chunks.aclose()
             finally:

@@ -40,6 +40,7 @@ from router.policies import POLICIES
 from router.policies.setup import check_routing, open_routing
 from router.pool import Endpoint, EndpointPool
 from router.tokenization import PromptTokenizer, load_tokenizer
+from router.tracing import UNTRACED, TracingMiddleware, TracingSlot, finish_span
 
 __all__ = ["create_app"]
 
@@ -60,12 +61,13 @@ def create_app(
     """
     validate_config(config, frozenset(POLICIES))
     check_routing(config)
+    tracing = TracingSlot(config, os.environ)  # off unless configured (router/tracing.py)
     holder = StateHolder()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with _serving_state(config, registry or RouterMetrics.registry(),
-                                  tokenizer) as st:
+        async with tracing.running(), _serving_state(
+                config, registry or RouterMetrics.registry(), tokenizer) as st:
             holder.set(st)
             sampler = asyncio.create_task(dashboard.sample_forever())  # its rate history
             try:
@@ -88,6 +90,9 @@ def create_app(
             AuthMiddleware, api_keys=config.client_api_keys,
             admin_api_key=config.admin_api_key,
         )
+    if tracing.enabled:
+        app.add_middleware(TracingMiddleware, tracing=tracing.get, finish=finish_span,
+                           skip=UNTRACED)
     app.add_middleware(AccessLogMiddleware, pd_mode=config.pd_mode)  # outermost: sees 401s
     return app
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +29,7 @@ _METAVARS = {
     "model": "PATH_OR_NAME", "tokenizer": "PATH_OR_NAME", "prefill": "URL", "decode": "URL",
     "served_model_name": "NAME", "pd_mode": "MODE", "prefill_policy": "POLICY",
     "decode_policy": "POLICY", "host": "ADDR", "log_level": "LEVEL", "log_format": "FORMAT",
+    "otlp_traces_endpoint": "URL",
     "discovery": "MODE", "namespace": "NAME", "prefill_selector": "LABELS",
     "decode_selector": "LABELS", "prefill_port": "PORT", "decode_port": "PORT",
     "engine_scheme": "SCHEME", "k8s_api_url": "URL",
@@ -55,6 +57,9 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("decode_policy", str, "how to pick a decode engine (same choices as --prefill-policy)"),
     ("host", str, "address to listen on"),
     ("port", int, "port to listen on"),
+    ("workers", int, "router processes sharing the port (SO_REUSEPORT), each with its own "
+                     "engine connections, health checks and KV-ready proxy (notify port + "
+                     "worker index); admission limits are split between them"),
     ("connect_timeout_s", float, "seconds to open a TCP connection to an engine"),
     ("prefill_timeout_s", float, "seconds for the whole prefill leg"),
     ("decode_first_byte_timeout_s", float, "seconds until a decode engine answers"),
@@ -71,6 +76,10 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("log_level", str, "critical | error | warning | info | debug"),
     ("log_format", str, "log lines as text or as one JSON object each (with the request id; "
                         "one access line per request): text | json"),
+    ("otlp_traces_endpoint", str, "OpenTelemetry: OTLP/HTTP URL spans are sent to, e.g. "
+                                  "http://otel-collector:4318/v1/traces (default: off, "
+                                  "unless OTEL_EXPORTER_OTLP_*ENDPOINT is set; needs the "
+                                  "otel extra)"),
     ("prefix_block_size", int, "engines' KV block size in tokens, used to hash prompt "
                                "prefixes for prefix-aware routing"),
     ("prefix_index_max_blocks", int, "bound of each prefix index in (engine, block) "
@@ -191,24 +200,68 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(argv)
         from router.app import create_app  # after parsing: --help stays fast
 
-        app = create_app(config)
+        create_app(config)  # validates every setting before anything is served
     except ConfigError as exc:
         print(f"pdgate router: error: {exc}", file=sys.stderr)
         return 2
+    if config.workers > 1:
+        from router.workers import run_workers
+
+        _setup_logging(config)
+        return run_workers(config)
+    return serve(config)
+
+
+def _setup_logging(config: RouterConfig) -> None:
+    setup_logging(config.log_level, config.log_format)  # uvicorn's loggers folded in
+
+
+def serve(config: RouterConfig, *, sock: socket.socket | None = None,
+          worker: int | None = None) -> int:
+    """Serve `config` until SIGINT/SIGTERM: on `config.host`/`config.port`, or on `sock`
+    (bound, not yet listening: a `--workers` worker's SO_REUSEPORT socket). `worker` is that
+    worker's index, sent back in the `X-Pdgate-Worker` response header."""
     import uvicorn
 
-    setup_logging(config.log_level, config.log_format)  # uvicorn's loggers folded in
+    from router.app import create_app
+    from router.client_deadlines import header_deadline_protocol
+
+    _setup_logging(config)
+    app: Any = create_app(config)
+    if worker is not None:
+        app = _WorkerHeader(app, worker)
     # uvicorn re-raises the SIGINT/SIGTERM it caught once its graceful shutdown is done,
     # restoring the handlers it found first; these make that re-raise a no-op, so a
     # requested shutdown exits 0 instead of dying by signal or with a KeyboardInterrupt.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: None)
-    from router.client_deadlines import header_deadline_protocol
-
-    uvicorn.run(
+    server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, loop="auto",
         http=header_deadline_protocol(config.header_timeout_s),
         timeout_graceful_shutdown=int(config.shutdown_timeout_s + 0.999),
         log_level=config.log_level, access_log=False, log_config=None,
-    )
+    ))
+    # asyncio's create_server listens on `sock` once the lifespan is up: until then the
+    # kernel sends this port's connections to the workers already serving.
+    server.run(sockets=None if sock is None else [sock])
     return 0
+
+
+class _WorkerHeader:
+    """ASGI wrapper adding `X-Pdgate-Worker: <index>` to every HTTP response."""
+
+    def __init__(self, app: Any, index: int) -> None:
+        self._app = app
+        self._header = (b"x-pdgate-worker", str(index).encode())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+
+        async def add_header(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self._header]}
+            await send(message)
+
+        await self._app(scope, receive, add_header)

@@ -60,6 +60,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     decode_policy: str | PolicySpec = "least-inflight"
     host: str = "127.0.0.1"
     port: int = 8000
+    # Router processes sharing `port` (SO_REUSEPORT), each with its own engine session,
+    # health checks, breakers and KV-ready proxy; admission limits are split between them
+    # (router/workers.py).
+    workers: int = 1
     connect_timeout_s: float = 5.0
     prefill_timeout_s: float = 300.0
     decode_first_byte_timeout_s: float = 300.0
@@ -75,6 +79,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     shutdown_timeout_s: float = 10.0
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     log_format: Literal["text", "json"] = "text"  # router/logs.py
+    otlp_traces_endpoint: str | None = None  # router/tracing.py (also OTEL_* env)
     # Engine discovery: `static` uses only `prefill`/`decode`; `k8s` also watches pods
     # matching the selectors (label selector syntax) and routes to the ready ones.
     discovery: Literal["static", "k8s"] = "static"
@@ -177,6 +182,7 @@ _POSITIVE = (
     "notify_ttl_s",
     "notify_reap_interval_s",
     "max_concurrent_requests",
+    "workers",
     "queue_timeout_s",
     "health_failure_threshold",
     "health_success_threshold",

@@ -113,8 +113,12 @@ class RouterMetrics:
             record.fallback = reason
 
     def observe_admission_wait(self, outcome: str, seconds: float) -> None:
-        """Record how long one request waited for an admission slot (0 when one was free)."""
+        """Record how long one request waited for an admission slot (0 when one was free);
+        also noted on the request's access line and span."""
         self.child(self.admission_wait, outcome).observe(seconds)
+        record = request_context.current()
+        if record is not None:
+            record.admission_wait_s = seconds
 
     @staticmethod
     def registry() -> CollectorRegistry:

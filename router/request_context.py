@@ -33,6 +33,7 @@ class RequestRecord:
     mode: str | None = None
     fallback: str | None = None
     ttft_s: float | None = None
+    admission_wait_s: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     engines: dict[str, str] = field(default_factory=dict)  # role -> engine URL

@@ -151,6 +151,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "model" .Values.model
   "host" "0.0.0.0"
   "port" .Values.router.port
+  "workers" (int .Values.router.workers)
   "discovery" "k8s"
   "namespace" .Release.Namespace
   "prefill_selector" (include "pdgate.engineSelector" (dict "ctx" . "role" "prefill"))

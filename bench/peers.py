@@ -1,0 +1,429 @@
+"""pdgate vs vllm-router (Rust) in one run, behind the same fixed-response nginx engines.
+
+Both routers run pull-mode P/D with round-robin policies in front of one nginx "prefill
+engine" (answers any POST with a vLLM completion carrying `kv_transfer_params`) and one
+nginx "decode engine" (a fixed completion, or an SSE stream for the streaming rows). Each
+router is pinned to the same core(s) with taskset; nginx and the load generator get the
+other cores. For every prompt size (words) and format (JSON, SSE) it prints req/s, p50/p99
+latency, the router's CPU time per request (utime + stime of the router's whole process
+tree from /proc, over the measured run) and pdgate's ratio to vllm-router.
+
+    python bench/peers.py [--duration 10] [--connections 32] [--words 5,200,2000]
+                          [--workers 1] [--router-cpus 0] [--json]
+
+Needs: nginx (installed with apt-get when missing and running as root), vllm-router (pip,
+into a cached venv under .cache/, never the project's .venv), wrk when installed (else an
+aiohttp load generator in its own process). The load generator's own ceiling is measured
+straight against the decode nginx and printed: a router row near it is loadgen-bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_ROUTER = "vllm-router==0.1.17"
+VENV = ROOT / ".cache" / "vllm-router-venv"
+MAX_TOKENS = 16
+_TICKS = os.sysconf("SC_CLK_TCK")
+
+_PREFILL_REPLY = json.dumps({
+    "id": "cmpl-p", "object": "text_completion", "created": 0, "model": "pdgate-tiny",
+    "choices": [{"index": 0, "text": "x", "finish_reason": "length", "logprobs": None}],
+    "usage": {"prompt_tokens": 8, "completion_tokens": 1, "total_tokens": 9},
+    "kv_transfer_params": {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "nginx-p",
+        "remote_request_id": "r", "remote_block_ids": [0, 1], "remote_host": "127.0.0.1",
+        "remote_port": 5600, "tp_size": 1,
+    },
+}, separators=(",", ":"))
+_DECODE_REPLY = json.dumps({
+    "id": "cmpl-d", "object": "text_completion", "created": 0, "model": "pdgate-tiny",
+    "choices": [{"index": 0, "text": " tok" * MAX_TOKENS, "finish_reason": "length",
+                 "logprobs": None}],
+    "usage": {"prompt_tokens": 8, "completion_tokens": MAX_TOKENS,
+              "total_tokens": 8 + MAX_TOKENS},
+}, separators=(",", ":"))
+_SSE_CHUNK = ('data: {"id":"cmpl-d","object":"text_completion","created":0,'
+              '"model":"pdgate-tiny","choices":[{"index":0,"text":" tok",'
+              '"finish_reason":null,"logprobs":null}]}\n\n')
+_SSE_REPLY = _SSE_CHUNK * MAX_TOKENS + "data: [DONE]\n\n"
+
+
+# ---------------------------------------------------------------- tools and processes
+
+def ensure_vllm_router(venv: Path = VENV) -> Path:
+    """Install `VLLM_ROUTER` into a cached venv (rebuilt when the pin changes); its CLI."""
+    exe, stamp = venv / "bin" / "vllm-router", venv / ".pdgate-stamp"
+    venv.parent.mkdir(parents=True, exist_ok=True)
+    with open(venv.parent / f".{venv.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if exe.exists() and stamp.exists() and stamp.read_text() == VLLM_ROUTER:
+            return exe
+        shutil.rmtree(venv, ignore_errors=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        pip = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q",
+                              "--disable-pip-version-check", VLLM_ROUTER],
+                             capture_output=True, text=True)
+        if pip.returncode:
+            raise SystemExit(f"pip install {VLLM_ROUTER} failed:\n{pip.stderr[-3000:]}")
+        stamp.write_text(VLLM_ROUTER)
+    return exe
+
+
+def ensure_nginx() -> str:
+    """nginx's path; installed from Debian when missing and running as root."""
+    found = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin")
+    if found:
+        return found
+    if os.geteuid() != 0:
+        raise SystemExit("nginx is missing: apt-get install -y nginx (as root), then rerun")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "nginx"], check=True, env=env)
+    return shutil.which("nginx", path="/usr/sbin:/usr/bin") or "/usr/sbin/nginx"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(argv: list[str], cpus: str | None, log: Path | None = None) -> subprocess.Popen[bytes]:
+    if cpus:
+        argv = ["taskset", "-c", cpus, *argv]
+    out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (child keeps it)
+    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                            start_new_session=True)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def _post(port: int, body: bytes, timeout: float = 2.0) -> int:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    finally:
+        conn.close()
+
+
+def wait_serving(port: int, proc: subprocess.Popen[bytes], timeout: float = 90.0,
+                 stream: bool = False) -> None:
+    """Until a completion through `port` answers 200 (the router has healthy engines)."""
+    body = json.dumps({"model": "pdgate-tiny", "prompt": "hi", "max_tokens": 1,
+                       "stream": stream}).encode()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process {proc.args!r} exited with {proc.returncode}")
+        try:
+            if _post(port, body) == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"nothing served on port {port} within {timeout:.0f} s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of `pid` and every live descendant (router workers), in seconds."""
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        try:
+            stat = Path(f"/proc/{p}/stat").read_text()
+            fields = stat[stat.rindex(")") + 2:].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError, ValueError):
+            continue
+    return total / _TICKS
+
+
+# ---------------------------------------------------------------- engines (nginx)
+
+def _nginx_conf(tmp: Path, ports: dict[str, int]) -> str:
+    def server(port: int, ctype: str, body: str) -> str:
+        quoted = body.replace("\\", "\\\\").replace("'", "\\'")
+        return (f"  server {{ listen 127.0.0.1:{port} reuseport backlog=4096;\n"
+                f"    keepalive_requests 1000000; client_body_buffer_size 1m;\n"
+                f"    location = /health {{ default_type application/json; return 200 '{{}}'; }}\n"
+                f"    location / {{ default_type {ctype}; return 200 '{quoted}'; }}\n  }}\n")
+
+    user = "user root;\n" if os.geteuid() == 0 else ""
+    return (f"{user}worker_processes 1;\ndaemon off;\npid {tmp}/nginx.pid;\n"
+            f"error_log {tmp}/error.log warn;\nevents {{ worker_connections 4096; }}\n"
+            f"http {{\n  access_log off;\n  client_body_temp_path {tmp}/body;\n"
+            + server(ports["prefill"], "application/json", _PREFILL_REPLY)
+            + server(ports["json"], "application/json", _DECODE_REPLY)
+            + server(ports["sse"], "text/event-stream", _SSE_REPLY) + "}\n")
+
+
+@contextmanager
+def nginx_engines(cpus: str | None) -> Iterator[dict[str, int]]:
+    """One nginx serving the prefill, JSON-decode and SSE-decode engines; their ports."""
+    nginx = ensure_nginx()
+    with tempfile.TemporaryDirectory(prefix="pdgate-peers-") as tmp_s:
+        tmp = Path(tmp_s)
+        ports = {"prefill": free_port(), "json": free_port(), "sse": free_port()}
+        conf = tmp / "nginx.conf"
+        conf.write_text(_nginx_conf(tmp, ports))
+        proc = spawn([nginx, "-c", str(conf), "-p", str(tmp)], cpus, tmp / "nginx.out")
+        try:
+            wait_serving(ports["json"], proc, 20)
+            yield ports
+        finally:
+            stop(proc)
+
+
+# ---------------------------------------------------------------- load generation
+
+@dataclass
+class Run:
+    requests: int
+    seconds: float
+    p50_ms: float
+    p99_ms: float
+    errors: int
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.seconds
+
+
+_WRK_LUA = """wrk.method = "POST"
+wrk.headers["Content-Type"] = "application/json"
+wrk.body = [==[{body}]==]
+done = function(summary, latency, requests)
+  io.write(string.format("PEERS %d %f %f %f %d\\n", summary.requests, summary.duration / 1e6,
+    latency:percentile(50) / 1e3, latency:percentile(99) / 1e3,
+    summary.errors.status + summary.errors.connect + summary.errors.read
+    + summary.errors.write + summary.errors.timeout))
+end
+"""
+
+
+def _wrk(port: int, body: str, conns: int, duration: float, cpus: str | None) -> Run:
+    with tempfile.NamedTemporaryFile("w", suffix=".lua") as script:
+        script.write(_WRK_LUA.replace("{body}", body))
+        script.flush()
+        argv = ["wrk", "-t1", f"-c{conns}", f"-d{max(1, round(duration))}s", "-s", script.name,
+                f"http://127.0.0.1:{port}/v1/completions"]
+        if cpus:
+            argv = ["taskset", "-c", cpus, *argv]
+        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    m = re.search(r"^PEERS (\d+) ([\d.]+) ([\d.]+) ([\d.]+) (\d+)$", out, re.M)
+    if not m:
+        raise RuntimeError(f"unexpected wrk output:\n{out}")
+    return Run(int(m[1]), float(m[2]), float(m[3]), float(m[4]), int(m[5]))
+
+
+async def _aiohttp_load(port: int, body: bytes, conns: int, duration: float) -> Run:
+    import aiohttp
+
+    lat: list[float] = []
+    errors = 0
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    headers = {"Content-Type": "application/json"}
+
+    async def worker(session: aiohttp.ClientSession, stop_at: float) -> None:
+        nonlocal errors
+        while time.perf_counter() < stop_at:
+            t0 = time.perf_counter()
+            async with session.post(url, data=body, headers=headers) as resp:
+                await resp.read()
+                if resp.status == 200:
+                    lat.append(time.perf_counter() - t0)
+                else:
+                    errors += 1
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=conns)) as session:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(session, t0 + duration) for _ in range(conns)))
+        elapsed = time.perf_counter() - t0
+    lat.sort()
+    if not lat:
+        return Run(0, elapsed, 0.0, 0.0, errors)
+    return Run(len(lat), elapsed, lat[len(lat) // 2] * 1e3,
+               lat[max(0, int(len(lat) * 0.99) - 1)] * 1e3, errors)
+
+
+def load(port: int, body: str, conns: int, duration: float, cpus: str | None) -> Run:
+    """One measured run: wrk when installed, else the aiohttp generator in its own process
+    (so its CPU never counts as the router's and it gets its own core)."""
+    if shutil.which("wrk"):
+        return _wrk(port, body, conns, duration, cpus)
+    argv = [sys.executable, __file__, "--_loadgen", json.dumps([port, body, conns, duration])]
+    if cpus:
+        argv = ["taskset", "-c", cpus, *argv]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    return Run(**json.loads(out.strip().splitlines()[-1]))
+
+
+# ---------------------------------------------------------------- routers
+
+def pdgate_argv(port: int, p: int, d: int, workers: int) -> list[str]:
+    from engine_shim.tiny import ensure_tiny_model
+
+    tok = ensure_tiny_model(weights=False)
+    return [sys.executable, "-m", "router", "--port", str(port), "--model", "pdgate-tiny",
+            "--tokenizer", str(tok), "--max-model-len", "1000000",
+            "--prefill", f"http://127.0.0.1:{p}", "--decode", f"http://127.0.0.1:{d}",
+            "--prefill-policy", "round-robin", "--decode-policy", "round-robin",
+            "--log-level", "warning", *(["--workers", str(workers)] if workers != 1 else [])]
+
+
+def vllm_router_argv(port: int, p: int, d: int, workers: int) -> list[str]:
+    return [str(ensure_vllm_router()), "--host", "127.0.0.1", "--port", str(port),
+            "--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{p}",
+            "--decode", f"http://127.0.0.1:{d}", "--policy", "round_robin",
+            "--prometheus-port", str(free_port()), "--log-level", "warning",
+            "--worker-startup-check-interval", "1"]
+
+
+ROUTERS = {"pdgate": pdgate_argv, "vllm-router": vllm_router_argv}
+
+
+def prompt_of(words: int) -> str:
+    vocab = ("the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "while",
+             "seven", "engines", "stream", "tokens", "across", "racks", "tonight")
+    return " ".join(vocab[(i * 7) % len(vocab)] for i in range(words))
+
+
+@dataclass
+class Row:
+    router: str
+    words: int
+    format: str
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    cpu_us_per_req: float
+    errors: int
+
+
+def measure(args: argparse.Namespace, ports: dict[str, int], logdir: Path) -> list[Row]:
+    rows: list[Row] = []
+    for name in args.routers.split(","):
+        for fmt in ("json", "sse"):
+            port = free_port()
+            argv = ROUTERS[name](port, ports["prefill"], ports[fmt], args.workers)
+            proc = spawn(argv, args.router_cpus, logdir / f"{name}-{fmt}.log")
+            try:
+                wait_serving(port, proc, stream=fmt == "sse")
+                for words in args.words:
+                    body = json.dumps({"model": "pdgate-tiny", "prompt": prompt_of(words),
+                                       "max_tokens": MAX_TOKENS, "stream": fmt == "sse"})
+                    load(port, body, args.connections, args.warmup, args.load_cpus)
+                    cpu0 = cpu_seconds(proc.pid)
+                    run = load(port, body, args.connections, args.duration, args.load_cpus)
+                    cpu = cpu_seconds(proc.pid) - cpu0
+                    rows.append(Row(name, words, fmt, run.rps, run.p50_ms, run.p99_ms,
+                                    cpu * 1e6 / max(run.requests, 1), run.errors))
+                    print(f"  {name:<12}{words:>6} words {fmt:<5}{run.rps:>10.0f} req/s",
+                          file=sys.stderr)
+            finally:
+                stop(proc)
+    return rows
+
+
+def print_table(rows: list[Row], ceiling: float, args: argparse.Namespace) -> None:
+    ref = {(r.words, r.format): r for r in rows if r.router == "vllm-router"}
+    print(f"pull mode, round-robin, max_tokens {MAX_TOKENS}, {args.connections} connections, "
+          f"{args.duration:g} s per row; routers on cpu {args.router_cpus}, "
+          f"pdgate --workers {args.workers}")
+    print(f"{'router':<13}{'words':>6} {'fmt':<5}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
+          f"{'CPU us/req':>12}{'x req/s':>9}{'x CPU':>8}{'errors':>8}")
+    for r in rows:
+        base = ref.get((r.words, r.format))
+        rps_x = f"{r.rps / base.rps:.2f}" if base and base.rps else "-"
+        cpu_x = f"{r.cpu_us_per_req / base.cpu_us_per_req:.2f}" \
+            if base and base.cpu_us_per_req else "-"
+        print(f"{r.router:<13}{r.words:>6} {r.format:<5}{r.rps:>9.0f}{r.p50_ms:>9.2f}"
+              f"{r.p99_ms:>9.2f}{r.cpu_us_per_req:>12.0f}{rps_x:>9}{cpu_x:>8}{r.errors:>8}")
+    print(f"load generator ceiling (straight to the decode nginx): {ceiling:.0f} req/s"
+          f" ({'wrk' if shutil.which('wrk') else 'aiohttp'})")
+    if rows and max(r.rps for r in rows) > 0.5 * ceiling:
+        print("WARNING: a row is above half the load generator's ceiling: it may be "
+              "loadgen-bound")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ncpu = os.cpu_count() or 1
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--duration", type=float, default=10.0, help="seconds per measured row")
+    p.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each")
+    p.add_argument("--connections", type=int, default=32)
+    p.add_argument("--words", type=lambda s: [int(w) for w in s.split(",")],
+                   default=[5, 200, 2000], help="comma-separated prompt sizes in words")
+    p.add_argument("--workers", type=int, default=1, help="pdgate router --workers")
+    p.add_argument("--routers", default="pdgate,vllm-router",
+                   help="comma-separated: pdgate, vllm-router")
+    p.add_argument("--router-cpus", default="0" if ncpu > 1 else None,
+                   help="taskset cpu list of the routers (default: 0)")
+    p.add_argument("--load-cpus", default=f"1-{ncpu - 1}" if ncpu > 1 else None,
+                   help="taskset cpu list of nginx and the load generator")
+    p.add_argument("--json", action="store_true", help="rows as JSON on the last line")
+    p.add_argument("--_loadgen", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args._loadgen:  # the aiohttp load generator's own process
+        port, body, conns, duration = json.loads(args._loadgen)
+        print(json.dumps(asdict(asyncio.run(_aiohttp_load(port, body.encode(), conns,
+                                                          duration)))))
+        return
+    if "vllm-router" in args.routers:
+        ensure_vllm_router()
+    with nginx_engines(args.load_cpus) as ports, \
+            tempfile.TemporaryDirectory(prefix="pdgate-peers-logs-") as logs:
+        body = json.dumps({"prompt": prompt_of(200), "max_tokens": MAX_TOKENS})
+        ceiling = load(ports["json"], body, args.connections, args.duration / 2,
+                       args.load_cpus).rps
+        try:
+            rows = measure(args, ports, Path(logs))
+        except RuntimeError:
+            for log in sorted(Path(logs).glob("*.log")):
+                print(f"--- {log.name}\n{log.read_text()[-3000:]}", file=sys.stderr)
+            raise
+    print_table(rows, ceiling, args)
+    if args.json:
+        print(json.dumps({"rows": [asdict(r) for r in rows], "loadgen_ceiling_rps": ceiling,
+                          "workers": args.workers, "connections": args.connections}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""OpenTelemetry through a real `pdgate up` (router and shim engines as processes): spans go
+over OTLP/HTTP to a receiver this test owns on loopback, and form one trace from the
+client's `traceparent` through the router to both engine legs."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.cluster import Cluster, start_cluster
+
+pytestmark = pytest.mark.slow
+trace_service_pb2 = pytest.importorskip(
+    "opentelemetry.proto.collector.trace.v1.trace_service_pb2",
+    reason="the otel extra is not installed (pip install -e '.[otel]')")
+
+CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
+CLIENT_SPAN = "00f067aa0ba902b7"
+
+
+@dataclass
+class Span:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_id: str
+    attributes: dict[str, Any]
+
+
+class Receiver:
+    """An OTLP/HTTP traces endpoint (protobuf) on 127.0.0.1 that keeps every span."""
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        received = self.spans
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = trace_service_pb2.ExportTraceServiceRequest()
+                request.ParseFromString(body)
+                for rs in request.resource_spans:
+                    res = {a.key: a.value.string_value for a in rs.resource.attributes}
+                    for ss in rs.scope_spans:
+                        for s in ss.spans:
+                            attrs = {a.key: _value(a.value) for a in s.attributes}
+                            received.append(Span(res["service.name"], s.name,
+                                                 s.trace_id.hex(), s.span_id.hex(),
+                                                 s.parent_span_id.hex(), attrs))
+                reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", str(len(reply)))
+                self.end_headers()
+                self.wfile.write(reply)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def _value(v: Any) -> Any:
+    kind = v.WhichOneof("value")
+    return getattr(v, kind) if kind else None
+
+
+@pytest.fixture(scope="module")
+def traced(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[tuple[Cluster, Receiver]]:
+    receiver = Receiver()
+    # Children inherit the environment: export every 100 ms instead of every 5 s.
+    saved = os.environ.get("OTEL_BSP_SCHEDULE_DELAY")
+    os.environ["OTEL_BSP_SCHEDULE_DELAY"] = "100"
+    try:
+        c = start_cluster(tmp_path_factory.mktemp("otel"), tiny_model_dir,
+                          extra=["--otlp-traces-endpoint", receiver.url])
+    finally:
+        if saved is None:
+            del os.environ["OTEL_BSP_SCHEDULE_DELAY"]
+        else:
+            os.environ["OTEL_BSP_SCHEDULE_DELAY"] = saved
+    try:
+        yield c, receiver
+    finally:
+        c.stop()
+        receiver.close()
+
+
+def spans_of(receiver: Receiver, trace_id: str, want: int) -> list[Span]:
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        found = [s for s in receiver.spans if s.trace_id == trace_id]
+        if len(found) >= want:
+            return found
+        time.sleep(0.1)
+    return [s for s in receiver.spans if s.trace_id == trace_id]
+
+
+def test_one_trace_from_the_client_through_the_router_to_both_legs(
+    traced: tuple[Cluster, Receiver],
+) -> None:
+    cluster, receiver = traced
+    reply = httpx.post(cluster.router + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": "Hello tracing", "max_tokens": 4, "ignore_eos": True,
+    }, headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
+    assert reply.status_code == 200, reply.text
+    spans = spans_of(receiver, CLIENT_TRACE, 3)
+    routers = [s for s in spans if s.service == "pdgate-router"]
+    assert [s.name for s in routers] == ["POST /v1/completions"], spans
+    router = routers[0]
+    assert router.parent_id == CLIENT_SPAN  # continues the client's trace
+    assert router.attributes["http.response.status_code"] == 200
+    assert router.attributes["pdgate.request_id"] == reply.headers["x-pdgate-request-id"]
+    assert router.attributes["pdgate.prefill_engine"] == cluster.prefill[0]
+    assert router.attributes["pdgate.decode_engine"] == cluster.decode[0]
+    legs = [s for s in spans if s.service == "pdgate-shim"]
+    # One span per engine leg, each a child of the router's span, carrying the id engines
+    # logged the request under.
+    assert sorted(s.name for s in legs) == ["POST /v1/completions"] * 2, spans
+    assert all(s.parent_id == router.span_id for s in legs)
+    assert {s.attributes["pdgate.request_id"] for s in legs} == {
+        reply.headers["x-pdgate-request-id"]}
+
+
+def test_probes_are_not_traced(traced: tuple[Cluster, Receiver]) -> None:
+    cluster, receiver = traced
+    for _ in range(3):
+        assert httpx.get(cluster.router + "/ready", timeout=10).status_code == 200
+        assert httpx.get(cluster.decode[0] + "/health", timeout=10).status_code == 200
+    time.sleep(0.5)
+    assert not [s for s in receiver.spans if "/health" in s.name or "/ready" in s.name]

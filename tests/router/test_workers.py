@@ -1,0 +1,186 @@
+"""`pdgate router --workers N`: real router processes on one port in front of fake engines.
+
+The fake engines (tests/router/fake_engine.py) run in the test's event loop on loopback
+sockets; the router is a real `python -m router --workers 2` process tree. Each response
+names the worker that served it (`X-Pdgate-Worker`); new connections are spread by the
+kernel (SO_REUSEPORT), so a test sends requests on fresh connections until it has seen
+both workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from router.config import RouterConfig
+from router.workers import split_limit, worker_config
+from tests.router.conftest import MODEL
+from tests.router.fake_engine import FakeEngine
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _children(pid: int) -> set[int]:
+    found: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found.update(int(c) for c in (task / "children").read_text().split())
+    return found
+
+
+class RouterTree:
+    def __init__(self, proc: subprocess.Popen[bytes], url: str) -> None:
+        self.proc, self.url = proc, url
+
+    async def post(self, body: dict[str, Any], timeout: float = 30.0) -> httpx.Response:
+        # A client per request: a new connection, which the kernel may give any worker.
+        async with httpx.AsyncClient(timeout=timeout) as client:
+            return await client.post(self.url + "/v1/completions", json=body)
+
+    async def until_both_workers(self, body: dict[str, Any]) -> list[httpx.Response]:
+        replies: list[httpx.Response] = []
+        while {r.headers.get("x-pdgate-worker") for r in replies} != {"0", "1"}:
+            assert len(replies) < 200, "200 fresh connections all reached one worker"
+            replies.append(await self.post(body))
+        return replies
+
+
+@pytest.fixture
+async def start_tree(tiny_model_dir: Path) -> AsyncIterator[Callable[..., Any]]:
+    trees: list[RouterTree] = []
+
+    async def start(p: FakeEngine, d: FakeEngine, *extra: str) -> RouterTree:
+        port = _free_port()
+        argv = [sys.executable, "-m", "router", "--workers", "2", "--port", str(port),
+                "--model", str(tiny_model_dir), "--served-model-name", MODEL,
+                "--prefill", p.url, "--decode", d.url, "--prefill-policy", "round-robin",
+                "--decode-policy", "round-robin", "--log-level", "warning", *extra]
+        tree = RouterTree(subprocess.Popen(argv, cwd=ROOT), f"http://127.0.0.1:{port}")
+        trees.append(tree)
+        for _ in range(600):  # both workers up: /ready on 20 fresh connections in a row
+            assert tree.proc.poll() is None, "router exited during startup"
+            ok = 0
+            async with httpx.AsyncClient(timeout=2.0) as client:
+                for _ in range(20):
+                    try:
+                        ok += (await client.get(tree.url + "/ready",
+                                                headers={"Connection": "close"})).is_success
+                    except httpx.HTTPError:
+                        break
+            if ok == 20 and len(_children(tree.proc.pid)) == 2:
+                return tree
+            await asyncio.sleep(0.1)
+        raise AssertionError("router workers not ready")
+
+    yield start
+    for tree in trees:
+        if tree.proc.poll() is None:
+            tree.proc.send_signal(signal.SIGTERM)
+            tree.proc.wait(30)
+
+
+BODY = {"model": MODEL, "prompt": "Hello there", "max_tokens": 3}
+
+
+async def test_both_workers_serve_one_port_a_dead_one_is_replaced_sigterm_stops_all(
+    make_engine: Callable[..., Any], start_tree: Callable[..., Any]
+) -> None:
+    p, d = await make_engine(engine_id="p"), await make_engine(engine_id="d")
+    tree = await start_tree(p, d)
+    workers = _children(tree.proc.pid)
+    assert len(workers) == 2
+
+    replies = await tree.until_both_workers(BODY)
+
+    assert all(r.status_code == 200 for r in replies)
+    assert all(r.json()["choices"][0]["text"] == "Hello world!" for r in replies)
+    assert len(p.prefills) == len(d.decodes) == len(replies)  # pull: both legs every time
+    # A worker that dies is replaced (after a short backoff); the other keeps serving.
+    victim = min(workers)
+    os.kill(victim, signal.SIGKILL)
+    for _ in range(300):
+        now = _children(tree.proc.pid)
+        if len(now) == 2 and victim not in now:
+            break
+        await asyncio.sleep(0.1)
+    workers = _children(tree.proc.pid)
+    assert len(workers) == 2 and victim not in workers
+    assert (await tree.post(BODY)).status_code == 200
+    tree.proc.send_signal(signal.SIGTERM)
+    assert tree.proc.wait(30) == 0
+    for pid in workers:
+        assert not Path(f"/proc/{pid}").exists() or \
+            Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+async def test_notify_mode_notices_reach_the_worker_that_waits(
+    make_engine: Callable[..., Any], start_tree: Callable[..., Any]
+) -> None:
+    p, d = await make_engine(engine_id="p"), await make_engine(engine_id="d")
+    notify_port = _free_port()
+    tree = await start_tree(p, d, "--pd-mode", "notify", "--notify-bind",
+                            f"tcp://127.0.0.1:{notify_port}", "--kv-ready-timeout-s", "5",
+                            "--no-early-first-token")
+
+    replies = await tree.until_both_workers(BODY)
+
+    assert [r.status_code for r in replies] == [200] * len(replies)
+    # Each worker advertised its own proxy (notify port + worker index) to P.
+    advertised = {r.body["kv_transfer_params"]["notify_endpoint"] for r in p.prefills}
+    assert advertised == {f"tcp://127.0.0.1:{notify_port}", f"tcp://127.0.0.1:{notify_port + 1}"}
+
+
+async def test_admission_slots_are_divided_between_workers(
+    make_engine: Callable[..., Any], start_tree: Callable[..., Any]
+) -> None:
+    p, d = await make_engine(engine_id="p"), await make_engine(engine_id="d", delay_s=3.0)
+    # 2 slots, no queue, 2 workers: one slot each. Six requests at once put at least three
+    # on one worker, so undivided limits (2 each) would admit two on the same worker.
+    tree = await start_tree(p, d, "--max-concurrent-requests", "2",
+                            "--max-queued-requests", "0")
+
+    replies = await asyncio.gather(*(tree.post(BODY) for _ in range(6)))
+
+    admitted = [r.headers["x-pdgate-worker"] for r in replies if r.status_code == 200]
+    refused = [r for r in replies if r.status_code == 429]
+    assert len(admitted) + len(refused) == 6
+    assert 1 <= len(admitted) <= 2 and len(set(admitted)) == len(admitted)
+    assert all(r.json()["error"]["type"] for r in refused)
+
+
+@pytest.mark.parametrize(("total", "minimum", "shares"), [
+    (1024, 1, [342, 341, 341]),
+    (2, 1, [1, 1, 1]),  # fewer slots than workers: each still gets one
+    (0, 0, [0, 0, 0]),  # no queue stays no queue
+    (7, 0, [3, 2, 2]),
+])
+def test_split_limit_adds_up(total: int, minimum: int, shares: list[int]) -> None:
+    assert [split_limit(total, 3, i, minimum) for i in range(3)] == shares
+
+
+def test_worker_config_offsets_the_notify_port() -> None:
+    base = RouterConfig(model="m", prefill=["http://127.0.0.1:1"], decode=["http://127.0.0.1:2"])
+    config = msgspec.structs.replace(base, workers=3, notify_bind="tcp://0.0.0.0:7500",
+                                     max_concurrent_requests=10, max_queued_requests=0)
+    w2 = worker_config(config, 2)
+    assert (w2.notify_bind, w2.max_concurrent_requests, w2.max_queued_requests) == \
+        ("tcp://0.0.0.0:7502", 3, 0)
+    auto = msgspec.structs.replace(config, notify_bind="tcp://127.0.0.1:0")
+    assert worker_config(auto, 1).notify_bind == "tcp://127.0.0.1:0"

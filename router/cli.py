@@ -29,6 +29,7 @@ _METAVARS = {
     "model": "PATH_OR_NAME", "tokenizer": "PATH_OR_NAME", "prefill": "URL", "decode": "URL",
     "served_model_name": "NAME", "pd_mode": "MODE", "prefill_policy": "POLICY",
     "decode_policy": "POLICY", "host": "ADDR", "log_level": "LEVEL", "log_format": "FORMAT",
+    "otlp_traces_endpoint": "URL",
     "discovery": "MODE", "namespace": "NAME", "prefill_selector": "LABELS",
     "decode_selector": "LABELS", "prefill_port": "PORT", "decode_port": "PORT",
     "engine_scheme": "SCHEME", "k8s_api_url": "URL",
@@ -75,6 +76,10 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("log_level", str, "critical | error | warning | info | debug"),
     ("log_format", str, "log lines as text or as one JSON object each (with the request id; "
                         "one access line per request): text | json"),
+    ("otlp_traces_endpoint", str, "OpenTelemetry: OTLP/HTTP URL spans are sent to, e.g. "
+                                  "http://otel-collector:4318/v1/traces (default: off, "
+                                  "unless OTEL_EXPORTER_OTLP_*ENDPOINT is set; needs the "
+                                  "otel extra)"),
     ("prefix_block_size", int, "engines' KV block size in tokens, used to hash prompt "
                                "prefixes for prefix-aware routing"),
     ("prefix_index_max_blocks", int, "bound of each prefix index in (engine, block) "

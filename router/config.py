@@ -79,6 +79,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     shutdown_timeout_s: float = 10.0
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     log_format: Literal["text", "json"] = "text"  # router/logs.py
+    otlp_traces_endpoint: str | None = None  # router/tracing.py (also OTEL_* env)
     # Engine discovery: `static` uses only `prefill`/`decode`; `k8s` also watches pods
     # matching the selectors (label selector syntax) and routes to the ready ones.
     discovery: Literal["static", "k8s"] = "static"

@@ -4,7 +4,8 @@ request's `traceparent` is rewritten to this span before the API forwards it on 
 
 At the end the span gets what the request's record learned (router/request_context.py):
 request ids, model, mode, fallback, TTFT, admission wait, tokens and the engines chosen.
-For spans inside a flow: `tracing.span("prefill_leg", engine=url)` (a context manager).
+For spans inside a flow: `with span("prefill_leg"):` (router.tracing.span; a no-op when
+the request is not traced).
 """
 
 from __future__ import annotations
@@ -20,13 +21,16 @@ from proxy.tracing import (
     TracingMiddleware,
     TracingUnavailable,
     check_available,
+    request_span,
     tracing_requested,
 )
 from router import __version__, request_context
 from router.config import ConfigError, RouterConfig
 
 __all__ = ["UNTRACED", "Tracing", "TracingMiddleware", "TracingSlot", "check_tracing",
-           "finish_span", "open_tracing"]
+           "finish_span", "open_tracing", "span"]
+
+span = request_span  # `with span("prefill_leg", engine=url):` anywhere in a request
 
 SERVICE = "pdgate-router"
 # Probes and scrapes: a span every few seconds per kubelet and Prometheus, of no interest.

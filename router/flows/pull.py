@@ -34,6 +34,7 @@ from router.flows.failover import run_leg
 from router.pool import Endpoint
 from router.schema import ClientRequest
 from router.sse import UsageRewriter
+from router.tracing import span
 
 __all__ = ["PrefillOutcome", "PullFlow"]
 
@@ -110,7 +111,8 @@ class PullFlow:
                     parts.aborter.abort(ep.url, req.request_id)
                     raise
 
-        reply = await run_leg(parts, "prefill", req, call)
+        with span("prefill_leg"):
+            reply = await run_leg(parts, "prefill", req, call)
         parts.metrics.prefill_duration.observe(time.perf_counter() - t0)
         kv = extract_kv_params(reply)
         if kv is None:
@@ -129,7 +131,8 @@ class PullFlow:
             with parts.pool.track(ep), bodies.attempt() as body:
                 return await parts.engines.post_raw(ep.url, req.path, body, req.engine_headers)
 
-        raw = await run_leg(parts, "decode", req, call, reuse=bodies.take_fresh)
+        with span("decode_leg"):
+            raw = await run_leg(parts, "decode", req, call, reuse=bodies.take_fresh)
         bodies.settle(prefill)
         parts.metrics.observe_ttft(mode, t0)
         usage_from_p = _usage_to_apply(bodies.prefill)

@@ -122,10 +122,14 @@ def test_one_trace_from_the_client_through_the_router_to_both_legs(
         "model": "tiny", "prompt": "Hello tracing", "max_tokens": 4, "ignore_eos": True,
     }, headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
     assert reply.status_code == 200, reply.text
-    spans = spans_of(receiver, CLIENT_TRACE, 3)
-    routers = [s for s in spans if s.service == "pdgate-router"]
+    spans = spans_of(receiver, CLIENT_TRACE, 5)
+    routers = [s for s in spans if s.service == "pdgate-router" and s.parent_id == CLIENT_SPAN]
     assert [s.name for s in routers] == ["POST /v1/completions"], spans
     router = routers[0]
+    inner = sorted(s.name for s in spans if s.service == "pdgate-router" and s is not router)
+    assert inner == ["decode_leg", "prefill_leg"], spans
+    assert all(s.parent_id == router.span_id for s in spans
+               if s.service == "pdgate-router" and s is not router)
     assert router.parent_id == CLIENT_SPAN  # continues the client's trace
     assert router.attributes["http.response.status_code"] == 200
     assert router.attributes["pdgate.request_id"] == reply.headers["x-pdgate-request-id"]

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(argv)
         from router.app import create_app  # after parsing: --help stays fast
 
-        create_app(config)  # validates every setting before anything is served
+        app = create_app(config)  # validates every setting before anything is served
     except ConfigError as exc:
         print(f"pdgate router: error: {exc}", file=sys.stderr)
         return 2
@@ -208,26 +208,28 @@ def main(argv: list[str] | None = None) -> int:
         from router.workers import run_workers
 
         _setup_logging(config)
-        return run_workers(config)
-    return serve(config)
+        return run_workers(config)  # each worker builds its own app
+    return serve(config, app=app)
 
 
 def _setup_logging(config: RouterConfig) -> None:
     setup_logging(config.log_level, config.log_format)  # uvicorn's loggers folded in
 
 
-def serve(config: RouterConfig, *, sock: socket.socket | None = None,
+def serve(config: RouterConfig, *, app: Any = None, sock: socket.socket | None = None,
           worker: int | None = None) -> int:
     """Serve `config` until SIGINT/SIGTERM: on `config.host`/`config.port`, or on `sock`
     (bound, not yet listening: a `--workers` worker's SO_REUSEPORT socket). `worker` is that
-    worker's index, sent back in the `X-Pdgate-Worker` response header."""
+    worker's index, sent back in the `X-Pdgate-Worker` response header. `app`: the router
+    app already built for `config` (default: build it here)."""
     import uvicorn
 
     from router.app import create_app
     from router.client_deadlines import header_deadline_protocol
 
     _setup_logging(config)
-    app: Any = create_app(config)
+    if app is None:
+        app = create_app(config)
     if worker is not None:
         app = _WorkerHeader(app, worker)
     # uvicorn re-raises the SIGINT/SIGTERM it caught once its graceful shutdown is done,

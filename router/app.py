@@ -133,7 +133,11 @@ async def _serving_state(
         parts = FlowParts(pool, engines, {"prefill": routing.prefill, "decode": routing.decode},
                           metrics, aborter, config.max_retries, config.retry_backoff_s)
         pull, pd_flow = await open_flows(config, parts, registry, stack)
-        orchestrator = Orchestrator(tokenizer, metrics, pull, pd_flow, routing.decider)
+        orchestrator = Orchestrator(
+            tokenizer, metrics, pull, pd_flow, routing.decider,
+            # Notify reserves D's blocks and push names the prompt's size: both need tokens.
+            tokenize_prompts=config.tokenize_prompts == "always" or routing.needs_tokens
+            or config.pd_mode != "pull")
         yield RouterState(config, metrics, registry, pool, orchestrator, int(time.time()),
                           _admission(config, metrics), InputLimits.from_config(config))
 

@@ -145,6 +145,9 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("max_json_depth", int, "deepest nesting of arrays/objects accepted in a request body "
                             "(deeper: 400)"),
     ("max_messages", int, "most chat messages in one request (more: 400)"),
+    ("tokenize_prompts", str, "auto: tokenize prompts only when a policy, the decider or "
+                              "the flow needs the tokens | always: also to refuse prompts "
+                              "that cannot fit and render chat templates in the router"),
     ("allow_client_chat_template", bool, "accept a client-supplied chat_template (rendered "
                                          "in a sandbox with a time and size budget)"),
     ("chat_template_timeout_s", float, "seconds a client chat_template may take to render "

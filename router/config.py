@@ -139,6 +139,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # client-side deadlines (headers, body, slow SSE readers) and engine reply bounds.
     max_json_depth: int = 32
     max_messages: int = 2048
+    # "auto": tokenize prompts only when a policy, the decider or the flow needs the tokens
+    # (engines check the context length); "always": also to refuse what cannot fit and to
+    # render chat templates in the router's sandbox before any engine sees them.
+    tokenize_prompts: Literal["auto", "always"] = "auto"
     allow_client_chat_template: bool = False
     chat_template_timeout_s: float = 2.0
     chat_template_max_output_chars: int = 4 * MIB

@@ -76,6 +76,11 @@ class PrefixDecider:
         self.prefix_ratio = prefix_ratio
         self.lookup = lookup
 
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether a rule reads the prompt's tokens (the length or the prefix rule is on)."""
+        return self.min_tokens > 0 or (self.prefix_ratio is not None and self.lookup is not None)
+
     def decide(self, req: ClientRequest) -> Decision:
         base = decide(req)
         ids = req.prompt_token_ids

@@ -1,6 +1,7 @@
 """One client request through pdgate: tokenize → decide → `flows[mode].run`.
 
-`tokenize` counts the prompt's tokens and checks the context length; the decider says
+`tokenize` counts the prompt's tokens and checks the context length (only when a policy,
+the decider or the flow needs the tokens: `tokenize_prompts`); the decider says
 whether to disaggregate; the flow of `--pd-mode` (router/flows/) runs the legs. A request
 the decider keeps on one engine, or one the notify/push flow hands back (no healthy
 prefill engine, an engine that cannot run that mode), is served by the pull flow.
@@ -26,8 +27,13 @@ class Orchestrator:
     """Runs one client request through the engines. Built once per app; no framework."""
 
     def __init__(self, tokenizer: PromptTokenizer, metrics: RouterMetrics, pull: PullFlow,
-                 pd_flow: Flow | None = None, decider: Decider | None = None) -> None:
+                 pd_flow: Flow | None = None, decider: Decider | None = None, *,
+                 tokenize_prompts: bool = True) -> None:
         self.tokenizer = tokenizer
+        # False when no policy, decider rule or flow reads the prompt's tokens: the router
+        # then never tokenizes (its cost grows with the prompt) and the engines check the
+        # context length themselves (their 400 is relayed as is).
+        self.tokenize_prompts = tokenize_prompts
         self.metrics = metrics
         self.decider: Decider = decider or PrefixDecider()
         self.pull = pull
@@ -35,7 +41,11 @@ class Orchestrator:
 
     async def handle(self, req: ClientRequest) -> bytes | StreamResult:
         """Run `req`: JSON body bytes for a non-streaming answer, else a `StreamResult`."""
-        await self.tokenize(req)
+        if self.tokenize_prompts:
+            await self.tokenize(req)
+        elif isinstance(req.params, ChatParams):
+            self.tokenizer.check_chat(req.body["messages"], req.params.chat_template_kwargs,
+                                      req.params.chat_template)
         decision = self.decider.decide(req)
         self.metrics.child(self.metrics.disagg_decisions, decision.reason).inc()
         # TTFT counts from the request's arrival (admission queue and tokenization included),

@@ -130,6 +130,20 @@ class PromptTokenizer:
                                       chat_template=chat_template)
         return await self.encode_text(text, add_special_tokens=False)
 
+    def check_chat(self, messages: Sequence[Any], template_kwargs: Mapping[str, Any] | None,
+                   chat_template: str | None) -> None:
+        """The router's rules for a chat request, checked whether or not it renders it:
+        at most `max_messages` messages, and no client-supplied template (`chat_template`
+        or `chat_template_kwargs.chat_template`) unless the limits allow one."""
+        if len(messages) > self.limits.max_messages:
+            raise InvalidRequest(f"at most {self.limits.max_messages} messages are accepted",
+                                 param="messages")
+        client = chat_template if chat_template is not None else \
+            (template_kwargs or {}).get("chat_template")
+        if client is not None and not self.limits.allow_client_chat_template:
+            raise InvalidRequest("this router does not accept a chat_template from the "
+                                 "client", param="chat_template")
+
     async def render_chat(
         self,
         messages: Sequence[Mapping[str, Any]],
@@ -143,15 +157,10 @@ class PromptTokenizer:
         `template_kwargs`) is a client-supplied template: refused unless the limits allow
         it. `stop_after`: rendering may stop once the text is longer than this (the caller
         only needs to know it is too long). Every failure is `InvalidRequest`."""
-        if len(messages) > self.limits.max_messages:
-            raise InvalidRequest(f"at most {self.limits.max_messages} messages are accepted",
-                                 param="messages")
+        self.check_chat(messages, template_kwargs, chat_template)
         kwargs = dict(template_kwargs or {})
         client = kwargs.pop("chat_template", None)
         client = chat_template if chat_template is not None else client
-        if client is not None and not self.limits.allow_client_chat_template:
-            raise InvalidRequest("this router does not accept a chat_template from the "
-                                 "client", param="chat_template")
         call = _TemplateCall(messages, add_generation_prompt, kwargs, self._special)
         source = self._own_source(client, call.variables["tools"])
         if source is None:

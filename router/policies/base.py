@@ -108,6 +108,9 @@ class Scorer(Protocol):
     clamped by the runner. Must not block (called on the event loop)."""
 
     name: ClassVar[str]
+    # Whether `score` reads the prompt's tokens (`ctx.block_hashes`): the router tokenizes
+    # prompts only when some scorer, the decider or the flow needs them.
+    needs_tokens: ClassVar[bool]
 
     def score(self, candidates: Sequence[Endpoint], ctx: PickContext) -> list[float]:
         """One score per candidate, in order."""

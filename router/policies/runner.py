@@ -37,6 +37,11 @@ class Selector:
     def type(self) -> str:
         return self.policy.type
 
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether this policy reads the prompt's tokens (one of its scorers does)."""
+        return any(scorer.needs_tokens for scorer, _ in self.policy.scorers)
+
     async def select(
         self, role: Role, candidates: Sequence[Endpoint], ctx: PickContext
     ) -> Endpoint:

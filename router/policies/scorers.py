@@ -16,6 +16,7 @@ class LoadScorer:
     """1 / (1 + requests in flight): 1 for an idle engine, falling towards 0."""
 
     name: ClassVar[str] = "load"
+    needs_tokens: ClassVar[bool] = False
 
     def score(self, candidates: Sequence[Endpoint], ctx: PickContext) -> list[float]:
         return [1.0 / (1 + ep.in_flight) for ep in candidates]
@@ -26,6 +27,7 @@ class PrefixScorer:
     prefix). `use_events`: trust engines' KV events where an engine publishes them."""
 
     name: ClassVar[str] = "prefix"
+    needs_tokens: ClassVar[bool] = True  # hashes the prompt's token blocks
 
     def __init__(self, env: PolicyEnv, *, use_events: bool) -> None:
         self._env = env
@@ -45,6 +47,7 @@ class SpreadScorer:
     prefixes spread over the engines instead of piling onto one."""
 
     name: ClassVar[str] = "spread"
+    needs_tokens: ClassVar[bool] = False
 
     def __init__(self, env: PolicyEnv) -> None:
         self._env = env

@@ -30,6 +30,11 @@ class Routing:
     decider: PrefixDecider
     env: PolicyEnv
 
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether a policy or the decider reads the prompt's tokens."""
+        return self.prefill.needs_tokens or self.decode.needs_tokens or self.decider.needs_tokens
+
 
 def check_routing(config: RouterConfig) -> None:
     """Fail at startup on bad policy params (`ConfigError` naming policy and field)."""

@@ -67,6 +67,10 @@ def router_config(
         "prefill": [e.url for e in prefill],
         "decode": [e.url for e in decode],
         "health_interval_s": 3600.0,  # tests drive health explicitly
+        # The fake engines check nothing, so the router's own checks (context length,
+        # template sandbox) are what these tests exercise; test_tokenize_when_needed.py
+        # covers the default ("auto").
+        "tokenize_prompts": "always",
     }
     fields.update(kw)
     return RouterConfig(**fields)

@@ -62,7 +62,9 @@ async def router_process(model_dir: Path, prefill: str, decode: str, log: Path
     cmd = [sys.executable, "-m", "router", "--model", str(model_dir),
            "--served-model-name", MODEL, "--prefill", prefill, "--decode", decode,
            "--port", str(port), "--health-interval-s", "3600", "--log-level", "warning",
-           "--allow-client-chat-template", "--chat-template-timeout-s", str(TEMPLATE_BUDGET_S)]
+           "--allow-client-chat-template", "--chat-template-timeout-s", str(TEMPLATE_BUDGET_S),
+           # what is measured is the router's own tokenizing and template sandbox
+           "--tokenize-prompts", "always"]
     # This checkout's router (and template workers), whatever is installed.
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with log.open("wb") as out:

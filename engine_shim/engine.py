@@ -57,6 +57,7 @@ from engine_shim.sequence import (
     StepOutput,
 )
 from engine_shim.staging import HostStaging, create_staging
+from engine_shim.tracing import annotate, record_span, span
 from engine_shim.transfer_errors import KVConnectorError, KVTransferError
 from proxy.kv_contract import (
     NotifyDecodeParams,
@@ -327,7 +328,8 @@ class Engine:
         `admission_timeout`) or EngineStopped (503). The caller must close the returned
         stream (`async with`) on every path."""
         try:
-            return await self._admit(req)
+            with span("queue", **{"pdgate.prompt_tokens": len(req.prompt_ids)}):
+                return await self._admit(req)
         except (EngineError, asyncio.CancelledError) as e:
             self._push_abandoned(req, f"not admitted: {type(e).__name__}: {e}")
             raise
@@ -434,12 +436,14 @@ class Engine:
         await the landed WRITE; push: register with P and await it), then hand to the loop."""
         if seq.req.role is KVRole.DECODE:
             leg = seq.req.pdgate
-            if isinstance(leg, NotifyDecodeParams):
-                await self._await_notified(seq, leg)
-            elif isinstance(leg, PushDecodeParams):
-                await self._await_pushed(seq, leg)
-            else:
-                await self._pull_remote(seq)
+            with span("kv_transfer", **_transfer_attributes(seq.req)):
+                if isinstance(leg, NotifyDecodeParams):
+                    await self._await_notified(seq, leg)
+                elif isinstance(leg, PushDecodeParams):
+                    await self._await_pushed(seq, leg)
+                else:
+                    await self._pull_remote(seq)
+                annotate(**{"pdgate.kv.reused_tokens": seq.num_cached_tokens})
         self.scheduler.submit(seq)
 
     async def _await_notified(self, seq: Sequence, leg: NotifyDecodeParams) -> None:
@@ -639,6 +643,9 @@ class Engine:
         """Record a hand-over (P) or a pull (D) for GET /debug/kv_transfers. The digest covers
         the bytes of the blocks' first `num_tokens` token slots (all of them when None) in
         (layer, K|V, token) order: the same on both sides, whatever their block sizes."""
+        # On D this runs in the request's `kv_transfer` span; P's hand-over runs in the
+        # engine loop, outside any request span (annotate is a no-op there).
+        annotate(**{"pdgate.kv.bytes": nbytes, "pdgate.kv.descriptors": len(blocks)})
         digest = None
         if self.config.kv_digests:
             data = self.kv.planes()[:, :, blocks]
@@ -684,16 +691,52 @@ class RequestStream:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[StepOutput]:
+        seq = self._seq
         if not self._started:
             self._started = True
-            await self._engine._prepare(self._seq)
-        while not self._done:
-            item = await self._seq.queue.get()
-            if isinstance(item, BaseException):
-                self._done = True
-                raise item
-            self._done = item.finish_reason is not None
-            yield item
+            await self._engine._prepare(seq)
+        if self._done:
+            return
+        with span("prefill", **{"pdgate.prompt_tokens": seq.num_prompt,
+                                "pdgate.cached_tokens": seq.num_cached_tokens}):
+            item = await seq.queue.get()
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        # The decode span covers yields, so it is recorded once the stream ends, between
+        # the first token and the last output (no current span outlives this frame).
+        first = time.time_ns()
+        try:
+            while True:
+                if isinstance(item, BaseException):
+                    self._done = True
+                    raise item
+                self._done = item.finish_reason is not None
+                yield item
+                if self._done:
+                    return
+                item = await seq.queue.get()
+        finally:
+            record_span("decode", first, time.time_ns(), **{
+                "pdgate.output_tokens": len(seq.token_ids) - seq.num_prompt,
+                "pdgate.finish_reason": seq.finish_reason})
+
+
+def _transfer_attributes(req: GenerateRequest) -> dict[str, Any]:
+    """The `kv_transfer` span's attributes known before it runs: mode, who moves the bytes
+    (pull: D READs; notify/push: P WRITEs) and the peer (notify: D is not told which P)."""
+    leg = req.pdgate
+    if isinstance(leg, PushDecodeParams):
+        mode, engine, host, port = "push", leg.remote_engine_id, leg.remote_host, leg.remote_port
+    elif isinstance(leg, NotifyDecodeParams):
+        mode, engine, host, port = "notify", None, None, None
+    else:
+        remote = req.remote or {}
+        mode, engine = "pull", remote.get("remote_engine_id")
+        host, port = remote.get("remote_host"), remote.get("remote_port")
+    return {"pdgate.kv.mode": mode, "pdgate.kv.op": "READ" if mode == "pull" else "WRITE",
+            "pdgate.kv.peer_engine_id": engine if isinstance(engine, str) else None,
+            "pdgate.kv.peer": f"{host}:{port}" if host is not None else None}
 
 
 def _reusable(seq: Sequence, received_tokens: int) -> int:

@@ -1,6 +1,12 @@
 """The shim's OpenTelemetry tracing (proxy/tracing.py does the work): one SERVER span per
 HTTP request, continuing the router's `traceparent`, so each engine leg hangs under the
 router's request span. Off unless `--otlp-traces-endpoint` or the OTEL_* environment asks.
+
+Inside a request (engine.py): `queue` (admission: waiting for KV blocks), `kv_transfer` (D:
+the prompt's KV from P; mode pull = READ, notify/push = P's WRITE landing; bytes,
+descriptors = blocks, peer), `prefill` (submitted to the loop -> first token) and `decode`
+(first token -> last), all children of the request's span. `span` opens one; `annotate`
+adds attributes to the current one (e.g. the bytes once a transfer is done).
 """
 
 from __future__ import annotations
@@ -11,9 +17,11 @@ from typing import Any
 from starlette.types import ASGIApp
 
 from engine_shim.logs import current_request_id
-from proxy.tracing import Tracing, TracingMiddleware, tracing_requested
+from proxy.tracing import Tracing, TracingMiddleware, record_span, request_span, tracing_requested
 
-__all__ = ["open_tracing", "traced"]
+__all__ = ["annotate", "open_tracing", "record_span", "span", "traced"]
+
+span = request_span  # `with span("kv_transfer", **attributes):` (a no-op untraced)
 
 SERVICE = "pdgate-shim"
 _UNTRACED = frozenset({"/health", "/metrics"})
@@ -39,3 +47,15 @@ def traced(app: ASGIApp, tracing: Tracing | None) -> ASGIApp:
             span.set_attribute("pdgate.request_id", request_id)
 
     return TracingMiddleware(app, lambda: tracing, finish=finish, skip=_UNTRACED)
+
+
+def annotate(**attributes: Any) -> None:
+    """Set attributes (None values left out) on the current span; a no-op when it is not
+    recording (tracing off, or code outside a request such as the engine loop)."""
+    try:
+        from opentelemetry import trace
+    except ImportError:  # the otel extra is not installed: nothing is traced
+        return
+    current = trace.get_current_span()
+    if current.is_recording():
+        current.set_attributes({k: v for k, v in attributes.items() if v is not None})

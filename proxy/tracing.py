@@ -23,7 +23,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 __all__ = ["Tracing", "TracingMiddleware", "TracingUnavailable", "check_available",
-           "request_span", "tracing_requested"]
+           "record_span", "request_span", "tracing_requested"]
 
 _OFF = ("true", "1", "yes")
 # The tracer of the request being served (set by TracingMiddleware), so code deep in a
@@ -37,6 +37,17 @@ def request_span(name: str, **attributes: Any) -> contextlib.AbstractContextMana
     traced: `with request_span("prefill_leg", engine=url): ...`."""
     tracing = _active.get()
     return contextlib.nullcontext() if tracing is None else tracing.span(name, **attributes)
+
+
+def record_span(name: str, start_ns: int, end_ns: int, **attributes: Any) -> None:
+    """A finished child span of the current span, between two `time.time_ns()` instants,
+    for work whose start and end lie in different frames (a stream's decode, across its
+    yields: a current span there would outlive the frame). No-op when not traced."""
+    tracing = _active.get()
+    if tracing is None:
+        return
+    clean = {k: v for k, v in attributes.items() if v is not None}
+    tracing.tracer.start_span(name, start_time=start_ns, attributes=clean).end(end_ns)
 
 
 class TracingUnavailable(RuntimeError):

@@ -4,7 +4,8 @@
 in one process (tests) never collide. Callers record at the boundary: the API layer counts
 requests, the flows time legs and count decisions, the pool keeps the gauges, admission
 times the queue. Two helpers take whole facts so callers need no label bookkeeping:
-`observe_ttft(mode, arrival)` and `observe_usage(model, usage)`.
+`observe_ttft(mode, arrival)` and `observe_usage(model, usage)`; `observe_answer(raw)` and
+`StreamUsage` find the usage in what the client got (a JSON answer, SSE lines).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from proxy.metrics import NoCreatedRegistry
@@ -20,7 +22,7 @@ from router import request_context
 
 M = TypeVar("M", Counter, Gauge, Histogram)
 
-__all__ = ["NoCreatedRegistry", "RouterMetrics"]
+__all__ = ["NoCreatedRegistry", "RouterMetrics", "StreamUsage"]
 
 # Seconds. TTFT/prefill span sub-millisecond fakes to multi-second real prompts.
 _LATENCY_BUCKETS = (
@@ -34,6 +36,33 @@ _DURATION_BUCKETS = _LATENCY_BUCKETS + (120.0, 300.0, 600.0, 1200.0, 1800.0, 360
 _QUEUE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
                   30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_DATA = b"data: "
+
+
+class _Answer(msgspec.Struct):
+    """The two fields of an OpenAI answer or stream chunk the token counters read: msgspec
+    skips the rest (choices, text) without building it."""
+
+    model: Any = None
+    usage: Any = None
+
+
+_decode_answer = msgspec.json.Decoder(_Answer).decode
+# What `_decode_answer` raises on bytes that are not a JSON object (ValidationError is a
+# DecodeError); RecursionError for nesting deeper than the interpreter allows.
+_NOT_AN_ANSWER = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+
+
+def _read_answer(raw: bytes) -> _Answer | None:
+    try:
+        answer = _decode_answer(raw)
+    except _NOT_AN_ANSWER:
+        return None
+    return answer if isinstance(answer.usage, dict) else None
+
+
+def _model_label(model: object) -> str:
+    return model if isinstance(model, str) and model else "unknown"
 
 
 @dataclass(frozen=True)
@@ -103,6 +132,13 @@ class RouterMetrics:
         if record is not None:
             record.model = model
             record.prompt_tokens, record.completion_tokens = prompt, completion
+
+    def observe_answer(self, raw: bytes) -> None:
+        """Count a non-streaming answer's tokens from the body sent to the client (its
+        `model` and `usage`; nothing is counted without a usage object)."""
+        answer = _read_answer(raw)
+        if answer is not None:
+            self.observe_usage(_model_label(answer.model), answer.usage)
 
     def count_fallback(self, reason: str) -> None:
         """Count one decode leg run without KV from prefill (`reason`: label) and note it
@@ -229,6 +265,35 @@ class RouterMetrics:
                 ["role"], registry=r,
             ),
         )
+
+
+class StreamUsage:
+    """The last usage object a stream sent its client. Feed it complete SSE lines as they
+    go out; `observe()` once at the end counts it. A stream carries one only when the
+    client asked (`stream_options.include_usage`, as the final chunk; with
+    `continuous_usage_stats` every chunk has the running total, so the last one is the
+    final count). Lines that do not mention `"usage"` cost one substring search."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: _Answer | None = None
+
+    def feed(self, lines: bytes) -> None:
+        """Note the usage in `lines` (whole SSE lines, as relayed), if any."""
+        if b'"usage"' not in lines:
+            return
+        for line in lines.split(b"\n"):
+            if line.startswith(_DATA) and b'"usage"' in line:
+                answer = _read_answer(line[len(_DATA):])
+                if answer is not None:
+                    self._last = answer
+
+    def observe(self, metrics: RouterMetrics) -> None:
+        """Count the last usage seen (nothing when the stream carried none); once."""
+        last, self._last = self._last, None
+        if last is not None:
+            metrics.observe_usage(_model_label(last.model), last.usage)
 
 
 def _count(usage: dict[str, object], key: str) -> int:

@@ -40,7 +40,15 @@ class Orchestrator:
         self.pd_flow: Flow = pd_flow or pull  # the flow of `--pd-mode`
 
     async def handle(self, req: ClientRequest) -> bytes | StreamResult:
-        """Run `req`: JSON body bytes for a non-streaming answer, else a `StreamResult`."""
+        """Run `req`: JSON body bytes for a non-streaming answer, else a `StreamResult`.
+        A non-streaming answer's tokens are counted here, from the body the client gets;
+        a stream counts its own as it is relayed (router/flows/common.py `relay_chunks`)."""
+        result = await self._serve(req)
+        if isinstance(result, bytes):
+            self.metrics.observe_answer(result)
+        return result
+
+    async def _serve(self, req: ClientRequest) -> bytes | StreamResult:
         if self.tokenize_prompts:
             await self.tokenize(req)
         elif isinstance(req.params, ChatParams):

@@ -30,7 +30,7 @@ from router.engines import (
 )
 from router.errors import RouterError, error_json
 from router.flows.bodies import decode_leg_body
-from router.metrics import RouterMetrics
+from router.metrics import RouterMetrics, StreamUsage
 from router.pool import Endpoint, EndpointPool
 from router.schema import ClientRequest
 from router.sse import UsageRewriter
@@ -198,14 +198,18 @@ async def relay_chunks(chunks: AsyncIterator[bytes], rewriter: UsageRewriter | N
                        metrics: RouterMetrics, t0: float, mode: str
                        ) -> AsyncGenerator[bytes, None]:
     """The one relay loop of every flow: bytes out as they arrive, TTFT and inter-token
-    latency observed, usage chunks rewritten (line-buffered) when `rewriter` is given, and a
-    failure mid-stream turned into an SSE error event plus [DONE].
+    latency observed, usage chunks rewritten (line-buffered) when `rewriter` is given, the
+    tokens of the last usage chunk the client got counted when the stream ends however it
+    ends (`StreamUsage`: streams without usage chunks are not counted), and a failure
+    mid-stream turned into an SSE error event plus [DONE].
 
     The engine stream checks the protocol and reports its failures to the engine's breaker
     (`EngineStream`); here they only end the client's stream, as an event of its own: a
-    blank line first unless the bytes sent so far ended an event."""
+    blank line first unless the bytes sent so far ended an event. Engine streams hand out
+    whole lines, as does the rewriter, so usage chunks are found per relayed piece."""
     last = 0.0
     sent = b""  # the last bytes yielded
+    usage = StreamUsage()
     try:
         async for chunk in chunks:
             now = time.perf_counter()
@@ -217,10 +221,14 @@ async def relay_chunks(chunks: AsyncIterator[bytes], rewriter: UsageRewriter | N
             out = rewriter.feed(chunk) if rewriter else chunk
             if out:
                 sent = out
+                usage.feed(out)
                 yield out
         if rewriter and (tail := rewriter.flush()):
+            usage.feed(tail)
             yield tail
     except RouterError as exc:
         log.warning("decode stream failed mid-response: %s", exc.message)
         sep = b"" if not sent or sent.endswith(b"\n\n") else b"\n"
         yield sep + b"data: " + error_json(exc) + b"\n\n" + _DONE
+    finally:
+        usage.observe(metrics)

@@ -123,7 +123,7 @@ class NotifyFlow:
         except EngineRejected as exc:
             if exc.status != 404:
                 raise
-            self.orch.metrics.fallbacks.labels("no_reserve").inc()
+            self.orch.metrics.count_fallback("no_reserve")
             raise PullInstead from None
         except RouterError as exc:
             raise LegFailure("decode", d_ep, exc) from None
@@ -205,7 +205,7 @@ class NotifyFlow:
         self.aborter.abort(d_ep.url, rid)  # D's reservation
         if isinstance(exc, WaitCancelled) and leg.error() is None and leg.task.done():
             # P answered without pushing (early stop, as vLLM: no KV params): D recomputes.
-            self.orch.metrics.fallbacks.labels("no_kv_push").inc()
+            self.orch.metrics.count_fallback("no_kv_push")
             return _Leg(leg, None)
         leg.cancel()
         self.aborter.abort(p_ep.url, rid)  # P's blocks, if it pinned any

@@ -83,7 +83,7 @@ class PullFlow:
         except (NoEndpointAvailable, EngineUnavailable) as exc:
             if self.parts.pool.healthy("prefill"):
                 raise
-            self.parts.metrics.fallbacks.labels("no_prefill").inc()
+            self.parts.metrics.count_fallback("no_prefill")
             log.warning("request %s: no healthy prefill engine (%s); decode engine computes "
                         "the prompt", req.request_id, exc.message)
             return None
@@ -116,7 +116,7 @@ class PullFlow:
         parts.metrics.prefill_duration.observe(time.perf_counter() - t0)
         kv = extract_kv_params(reply)
         if kv is None:
-            parts.metrics.fallbacks.labels("no_kv_params").inc()
+            parts.metrics.count_fallback("no_kv_params")
             log.warning("request %s: prefill returned no kv_transfer_params; decode will "
                         "recompute the prompt", req.request_id)
         return PrefillOutcome(kv, prefill_usage(reply))
@@ -199,7 +199,7 @@ class _DecodeBodies:
             if isinstance(exc, EngineUnavailable) and exc.connect_failed:
                 raise
             if self.prefill is not None and self.prefill.kv_params is not None:
-                self._flow.parts.metrics.fallbacks.labels("decode_retry").inc()
+                self._flow.parts.metrics.count_fallback("decode_retry")
                 self.prefill = None  # billing: D's own usage from now on
                 self._body = decode_leg_body(self._req.body, None)
                 self._fresh = True

@@ -131,7 +131,7 @@ class PushFlow:
 
     async def _peer_or_fail(self, p_ep: Endpoint, req: ClientRequest) -> ShimPeer | VllmPeer:
         if self.peers.pull_only(p_ep):
-            self.orch.metrics.fallbacks.labels("no_push").inc()
+            self.orch.metrics.count_fallback("no_push")
             raise PullInstead
         try:
             return await self.peers.get(p_ep, req.engine_headers)
@@ -399,7 +399,7 @@ class _Watch:
             return
         self.pushed = isinstance(params, dict) and params.get("pdgate_mode") == MODE
         if not self.pushed:
-            self.flow.orch.metrics.fallbacks.labels("no_kv_push").inc()
+            self.flow.orch.metrics.count_fallback("no_kv_push")
             self.flow.aborter.abort(self.d_ep.url, self.req.request_id)
 
     def _settle_vllm(self, params: Any) -> None:
@@ -409,7 +409,7 @@ class _Watch:
             return
         if not self.pushed:  # D reads the KV (a pull answer) or computes the prompt
             reason = "no_push" if learned is Learned.PULL else "no_kv_push"
-            self.flow.orch.metrics.fallbacks.labels(reason).inc()
+            self.flow.orch.metrics.count_fallback(reason)
         self.d_params = d_params
         if self.redrive_ok:
             raise _Redrive(d_params, f"the prefill engine answered {learned.value}")

@@ -37,10 +37,13 @@ def served(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         plain = httpx.post(c.router + "/v1/completions", json=body, timeout=120,
                            headers={"X-Request-Id": CLIENT_ID})
         assert plain.status_code == 200, plain.text
-        with httpx.stream("POST", c.router + "/v1/completions", timeout=120,
-                          json={**body, "stream": True}) as streamed:
+        # The stream asks for its usage chunk: streams without one are not counted.
+        with httpx.stream("POST", c.router + "/v1/completions", timeout=120, json={
+                **body, "stream": True, "stream_options": {"include_usage": True}}) as streamed:
             assert streamed.status_code == 200
-            assert any(line == "data: [DONE]" for line in streamed.iter_lines())
+            got = list(streamed.iter_lines())
+            assert "data: [DONE]" in got
+            assert any('"usage":{' in line for line in got)
         bad = httpx.post(c.router + "/v1/completions", json={"model": "nope", "prompt": "x"},
                          timeout=30)
         assert bad.status_code == 404

@@ -60,6 +60,8 @@ def test_one_access_line_per_request_with_its_ids_and_engines(served: Served) ->
     for line in (plain, streamed):
         assert (line["prefill_engine"], line["decode_engine"]) == (c.prefill[0], c.decode[0])
         assert line["mode"] == "notify" and line["method"] == "POST"
+        assert (line["model"], line["completion_tokens"]) == ("tiny", 5)
+        assert line["prompt_tokens"] > 0 and line["fallback"] is None
         assert 0 < line["duration_s"] < 120
     assert missing["request_id"] and missing["prefill_engine"] is None
 

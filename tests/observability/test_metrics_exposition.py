@@ -62,10 +62,9 @@ def test_shim_kv_transfer_buckets_start_at_50_microseconds(cluster: Cluster) -> 
                    for name, _ in got)
 
 
-@pytest.mark.xfail(strict=True, reason="the flows do not call RouterMetrics.observe_usage "
-                   "yet; remove this marker once they do")
 def test_router_counts_tokens_per_model(cluster: Cluster) -> None:
     got = samples(scrape(cluster.router))
-    # The fixture's two requests asked for 5 tokens each.
+    # The fixture's two requests (one plain, one streamed with its usage chunk) asked for
+    # 5 tokens each.
     assert got[("pdgate_generation_tokens_total", frozenset({("model", "tiny")}))] == 10
     assert got[("pdgate_prompt_tokens_total", frozenset({("model", "tiny")}))] > 0

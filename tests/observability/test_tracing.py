@@ -122,7 +122,9 @@ def test_one_trace_from_the_client_through_the_router_to_both_legs(
         "model": "tiny", "prompt": "Hello tracing", "max_tokens": 4, "ignore_eos": True,
     }, headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
     assert reply.status_code == 200, reply.text
-    spans = spans_of(receiver, CLIENT_TRACE, 5)
+    # The router's 3 spans, and per engine leg its request span with queue, prefill and
+    # decode inside (plus kv_transfer on D).
+    spans = spans_of(receiver, CLIENT_TRACE, 3 + 4 + 5)
     routers = [s for s in spans if s.service == "pdgate-router" and s.parent_id == CLIENT_SPAN]
     assert [s.name for s in routers] == ["POST /v1/completions"], spans
     router = routers[0]
@@ -135,7 +137,7 @@ def test_one_trace_from_the_client_through_the_router_to_both_legs(
     assert router.attributes["pdgate.request_id"] == reply.headers["x-pdgate-request-id"]
     assert router.attributes["pdgate.prefill_engine"] == cluster.prefill[0]
     assert router.attributes["pdgate.decode_engine"] == cluster.decode[0]
-    legs = [s for s in spans if s.service == "pdgate-shim"]
+    legs = [s for s in spans if s.service == "pdgate-shim" and s.name.startswith("POST")]
     # One span per engine leg, each a child of the router's span, carrying the id engines
     # logged the request under.
     assert sorted(s.name for s in legs) == ["POST /v1/completions"] * 2, spans
@@ -151,3 +153,38 @@ def test_probes_are_not_traced(traced: tuple[Cluster, Receiver]) -> None:
         assert httpx.get(cluster.decode[0] + "/health", timeout=10).status_code == 200
     time.sleep(0.5)
     assert not [s for s in receiver.spans if "/health" in s.name or "/ready" in s.name]
+
+
+def test_the_shim_spans_show_queue_transfer_prefill_and_decode(
+    traced: tuple[Cluster, Receiver],
+) -> None:
+    cluster, receiver = traced
+    trace = "5bf92f3577b34da6a3ce929d0e0e4737"
+    reply = httpx.post(cluster.router + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": "Hello spans, a prompt of a few blocks", "max_tokens": 4,
+        "ignore_eos": True, "stream": True,
+    }, headers={"traceparent": f"00-{trace}-{CLIENT_SPAN}-01"})
+    assert reply.status_code == 200, reply.text
+    spans = spans_of(receiver, trace, 3 + 4 + 5)
+    shim = [s for s in spans if s.service == "pdgate-shim"]
+    legs = {s.span_id: s for s in shim if s.name == "POST /v1/completions"}
+    assert len(legs) == 2, spans
+    inner: dict[str, dict[str, Span]] = {leg: {} for leg in legs}
+    for s in shim:
+        if s.parent_id in legs:
+            inner[s.parent_id][s.name] = s
+    by_role = {("D" if "kv_transfer" in names else "P"): names for names in inner.values()}
+    assert sorted(by_role["P"]) == ["decode", "prefill", "queue"], spans
+    assert sorted(by_role["D"]) == ["decode", "kv_transfer", "prefill", "queue"], spans
+    kv = by_role["D"]["kv_transfer"].attributes
+    # Pull mode: D READs the prompt's blocks from P, whose NIXL side channel it names.
+    assert (kv["pdgate.kv.mode"], kv["pdgate.kv.op"]) == ("pull", "READ")
+    assert kv["pdgate.kv.bytes"] > 0 and kv["pdgate.kv.descriptors"] >= 1
+    assert kv["pdgate.kv.peer"].startswith("127.0.0.1:")
+    assert kv["pdgate.kv.reused_tokens"] > 0
+    # P prefilled the prompt and decoded its one token; D reused P's KV and decoded 4.
+    assert by_role["P"]["decode"].attributes["pdgate.output_tokens"] == 1
+    assert by_role["D"]["decode"].attributes["pdgate.output_tokens"] == 4
+    assert by_role["D"]["prefill"].attributes["pdgate.cached_tokens"] > 0
+    assert by_role["P"]["queue"].attributes["pdgate.prompt_tokens"] == \
+        by_role["P"]["prefill"].attributes["pdgate.prompt_tokens"]

@@ -43,7 +43,10 @@ from tests.vllm.test_vllm_pd import (
 )
 from tests.vllm.test_vllm_zfault import _load_with_kill, _recovered, _routed
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+# Its own make target, not `make test-vllm` (CI): on the 2-core CI-sized machine this module
+# adds ~8 minutes (five more vLLM engines) and failed under load (prefill workers stalled
+# past the leg deadlines); see docs/vllm.md.
+pytestmark = [pytest.mark.vllm, pytest.mark.vllm_push, pytest.mark.timeout(900)]
 
 PUSH_LOGS = LOG_DIR / "push"
 # Two engines per core at most: PA alone on core 0 (three vLLM engines sharing one core,

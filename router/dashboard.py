@@ -4,10 +4,10 @@ the admin key (router/auth.py).
 
 The state is read from what the router already keeps, never from the request path: the
 endpoint pool (engines, health checks, circuit breakers, draining, in-flight), the TTFT
-histogram and the request and token counters. "Recent" TTFT is the difference between the
-histogram now and its snapshot from about `window_s` ago; the rate history (requests,
-errors, 429s, tokens per second) is sampled from the counters every few seconds and kept
-for five minutes, in memory.
+histogram and the request, token, prefill-leg and fallback counters. "Recent" TTFT is the
+difference between the histogram now and its snapshot from about `window_s` ago; the rate
+history (requests, errors, 429s, tokens, KV transfers and fallbacks per second) is sampled
+from the counters every 5 s and kept for 15 minutes (180 points), in memory.
 """
 
 from __future__ import annotations
@@ -71,14 +71,21 @@ class RatePoint(msgspec.Struct):
     rejected: float  # 429: admission control refused the request
     tokens: float  # completion tokens
     in_flight: int  # requests on engines at `t`
+    kv_transfers: float  # prefill legs that handed their KV to decode (see `KVState`)
+    fallbacks: float  # decode legs run without KV from prefill, all reasons
 
 
 class KVState(msgspec.Struct):
-    """What the router knows of KV caches: its prefix indexes' sizes ((engine, block)
-    entries, by index) and its requests to engines to free a request's KV, by result."""
+    """What the router knows of KV caches, totals since the router started: its prefix
+    indexes' sizes ((engine, block) entries, by index), its requests to engines to free a
+    request's KV (by result), the KV transfers (prefill legs that finished and handed their
+    KV to a decode engine: the router sees the handoff, not the bytes, which the engines
+    count) and the fallbacks (`pdgate_fallbacks_total`, by reason)."""
 
     prefix_index_entries: dict[str, int]
     kv_aborts: dict[str, int]
+    kv_transfers: int
+    fallbacks: dict[str, int]
 
 
 class DashboardState(msgspec.Struct):
@@ -91,7 +98,9 @@ class DashboardState(msgspec.Struct):
     engines: list[EngineState]
     ttft: TTFTState
     now: RatePoint | None  # the latest interval (None until two samples exist)
-    history: list[RatePoint]  # oldest first, about the last `History.span_s`
+    history: list[RatePoint]  # oldest first, about the last `history_span_s`
+    history_span_s: float  # how long points are kept
+    history_every_s: float  # sampling interval
     kv: KVState
 
 
@@ -177,6 +186,21 @@ def _by_label(metric: Counter | Gauge, label: str) -> dict[str, float]:
     return out
 
 
+# Fallback reasons counted after a prefill leg finished without handing decode any KV (P
+# answered with no KV params, or without pushing): that leg is no KV transfer. The other
+# reasons come before any prefill leg (none healthy) or switch the request to the pull
+# flow, whose own prefill leg does transfer KV.
+_NO_KV_AFTER_PREFILL = ("no_kv_params", "no_kv_push")
+
+
+def _kv_transfers(metrics: RouterMetrics, fallbacks: dict[str, float]) -> float:
+    """Prefill legs that finished (every flow observes `prefill_duration` once per leg)
+    minus those that handed decode no KV."""
+    legs = sum(s.value for family in metrics.prefill_duration.collect()
+               for s in family.samples if s.name.endswith("_count"))
+    return max(0.0, legs - sum(fallbacks.get(r, 0.0) for r in _NO_KV_AFTER_PREFILL))
+
+
 @dataclass(frozen=True)
 class _Totals:
     at: float
@@ -184,23 +208,28 @@ class _Totals:
     errors: float
     rejected: float
     tokens: float
+    kv_transfers: float
+    fallbacks: float
 
 
 def _totals(metrics: RouterMetrics, at: float) -> _Totals:
     by_status = _by_label(metrics.requests, "status")
     errors = sum(n for status, n in by_status.items()
                  if status[:1] in ("4", "5") and status not in ("429", "499"))
+    fallbacks = _by_label(metrics.fallbacks, "reason")
     return _Totals(at, sum(by_status.values()), errors, by_status.get("429", 0.0),
-                   sum(_by_label(metrics.generation_tokens, "model").values()))
+                   sum(_by_label(metrics.generation_tokens, "model").values()),
+                   _kv_transfers(metrics, fallbacks), sum(fallbacks.values()))
 
 
 @dataclass
 class History:
-    """Request, error, 429 and token rates sampled every `every_s` seconds, kept for
-    `span_s` seconds, in memory. Rates come from the cumulative counters, so a late or
-    missed sample only widens one interval."""
+    """Request, error, 429, token, KV-transfer and fallback rates sampled every `every_s`
+    seconds, kept for `span_s` seconds, in memory (180 points by default: one sample reads
+    a handful of counters). Rates come from the cumulative counters, so a late or missed
+    sample only widens one interval."""
 
-    span_s: float = 300.0
+    span_s: float = 900.0
     every_s: float = 5.0
     clock: Callable[[], float] = time.time
     _last: _Totals | None = None
@@ -219,7 +248,9 @@ class History:
             self.points.append(RatePoint(
                 round(now.at, 3), (now.requests - last.requests) / dt,
                 (now.errors - last.errors) / dt, (now.rejected - last.rejected) / dt,
-                (now.tokens - last.tokens) / dt, in_flight))
+                (now.tokens - last.tokens) / dt, in_flight,
+                (now.kv_transfers - last.kv_transfers) / dt,
+                (now.fallbacks - last.fallbacks) / dt))
         while self.points and self.points[0].t < now.at - self.span_s:
             self.points.popleft()
 
@@ -246,8 +277,11 @@ def _engines(pool: EndpointPool, metrics: RouterMetrics) -> list[EngineState]:
 def _kv(metrics: RouterMetrics) -> KVState:
     entries = _by_label(metrics.prefix_index_entries, "index")
     aborts = _by_label(metrics.kv_aborts, "result")
+    fallbacks = _by_label(metrics.fallbacks, "reason")
     return KVState({k: int(v) for k, v in entries.items()},
-                   {k: int(v) for k, v in aborts.items()})
+                   {k: int(v) for k, v in aborts.items()},
+                   int(_kv_transfers(metrics, fallbacks)),
+                   {k: int(v) for k, v in sorted(fallbacks.items())})
 
 
 def _policy_name(spec: object) -> str:
@@ -300,7 +334,9 @@ class Dashboard:
             ready=st.pool.ready(), discovery=cfg.discovery,
             uptime_s=round(time.monotonic() - self._started, 1),
             engines=_engines(st.pool, st.metrics), ttft=window.recent(),
-            now=points[-1] if points else None, history=points, kv=_kv(st.metrics),
+            now=points[-1] if points else None, history=points,
+            history_span_s=history.span_s, history_every_s=history.every_s,
+            kv=_kv(st.metrics),
         )
 
 

@@ -2,7 +2,9 @@
 
 It polls `state` next to its own path (`/dashboard/state`, also behind a path prefix) every
 two seconds and renders with `textContent` and SVG attributes only, so engine URLs are never
-parsed as HTML. The history charts are inline SVG polylines, one unit per chart.
+parsed as HTML. The history charts are inline SVG step lines (one step per sampling
+interval), one unit per chart, whose x axis spans the points collected so far: up to the
+history span (15 minutes), and a single interval on a router just started.
 """
 
 from __future__ import annotations
@@ -37,7 +39,10 @@ PAGE = """<!doctype html>
   .chart .label { color: #5b6574; font-size: 12px; }
   .chart svg { width: 260px; height: 70px; display: block; }
   .chart polyline { fill: none; stroke: #1a73e8; stroke-width: 1.5; }
-  #kv { color: #3b4452; }
+  .chart line { stroke: #e5e8ec; stroke-width: 1; }
+  #history-note { color: #5b6574; font-size: 12px; margin: -4px 0 8px; }
+  .tables { display: flex; gap: 12px; flex-wrap: wrap; align-items: flex-start; }
+  .tables table { width: auto; min-width: 320px; }
   #error { color: #b3261e; margin-top: 12px; }
 </style>
 </head>
@@ -50,6 +55,10 @@ PAGE = """<!doctype html>
   <div class="card"><div class="label">Errors / s</div><div class="value" id="eps">-</div></div>
   <div class="card"><div class="label">429 / s</div><div class="value" id="rejected">-</div></div>
   <div class="card"><div class="label">Tokens / s</div><div class="value" id="tps">-</div></div>
+  <div class="card"><div class="label">KV transfers / s</div>
+    <div class="value" id="kvps">-</div></div>
+  <div class="card"><div class="label">Fallbacks / s</div>
+    <div class="value" id="fps">-</div></div>
   <div class="card"><div class="label">Prefill usable</div>
     <div class="value" id="prefill-count">-</div></div>
   <div class="card"><div class="label">Decode usable</div>
@@ -64,19 +73,20 @@ PAGE = """<!doctype html>
     <th>Failed in a row</th><th>KV-event batches</th></tr></thead>
   <tbody id="engines"></tbody>
 </table>
-<h2 id="history-title">Last 5 minutes</h2>
-<div class="charts">
-  <div class="chart"><div class="label" id="chart-requests-label">requests / s</div>
-    <svg id="chart-requests" viewBox="0 0 260 70" preserveAspectRatio="none"></svg></div>
-  <div class="chart"><div class="label" id="chart-errors-label">errors / s</div>
-    <svg id="chart-errors" viewBox="0 0 260 70" preserveAspectRatio="none"></svg></div>
-  <div class="chart"><div class="label" id="chart-rejected-label">429 / s</div>
-    <svg id="chart-rejected" viewBox="0 0 260 70" preserveAspectRatio="none"></svg></div>
-  <div class="chart"><div class="label" id="chart-tokens-label">tokens / s</div>
-    <svg id="chart-tokens" viewBox="0 0 260 70" preserveAspectRatio="none"></svg></div>
+<h2 id="history-title">Last 15 minutes</h2>
+<div id="history-note">-</div>
+<div class="charts" id="charts"></div>
+<h2>KV and fallbacks (since start)</h2>
+<div class="tables">
+  <table>
+    <thead><tr><th>KV figure</th><th>Total</th></tr></thead>
+    <tbody id="kv"></tbody>
+  </table>
+  <table>
+    <thead><tr><th>Fallback reason</th><th>Total</th></tr></thead>
+    <tbody id="fallbacks"></tbody>
+  </table>
 </div>
-<h2>KV</h2>
-<div id="kv">-</div>
 <div id="error"></div>
 <script>
 "use strict";
@@ -95,19 +105,60 @@ function cell(row, text, cls) {
   if (cls) td.className = cls;
 }
 const STATUS_CLASS = {"healthy": "ok", "draining": "drain", "half-open": "drain"};
-function chart(name, points, key) {
-  const svg = $("chart-" + name);
-  svg.replaceChildren();
+// [key in each history point, chart title]
+const CHARTS = [["requests", "requests / s"], ["errors", "errors / s"],
+  ["rejected", "429 / s"], ["tokens", "tokens / s"], ["kv_transfers", "KV transfers / s"],
+  ["fallbacks", "fallbacks / s"]];
+function buildCharts() {
+  for (const [key] of CHARTS) {
+    const box = document.createElement("div");
+    box.className = "chart";
+    const label = document.createElement("div");
+    label.className = "label";
+    label.id = "chart-" + key + "-label";
+    const svg = document.createElementNS(SVG, "svg");
+    svg.id = "chart-" + key;
+    svg.setAttribute("viewBox", "0 0 260 70");
+    svg.setAttribute("preserveAspectRatio", "none");
+    box.append(label, svg);
+    $("charts").appendChild(box);
+  }
+}
+function chart(key, title, s) {
+  // One step per sampling interval: the interval's rate from its start to its end.
+  const svg = $("chart-" + key);
+  const points = s.history;
   const values = points.map((p) => p[key]);
   const top = Math.max(1e-9, ...values);
-  $("chart-" + name + "-label").textContent = name === "rejected" ? "429 / s" :
-    name + " / s (max " + rate(values.length ? Math.max(...values) : null) + ")";
-  if (values.length < 2) return;
+  $("chart-" + key + "-label").textContent = title + " (max "
+    + rate(values.length ? Math.max(...values) : null) + ")";
+  const base = document.createElementNS(SVG, "line");
+  for (const [k, v] of [["x1", 0], ["y1", 68.5], ["x2", 260], ["y2", 68.5]]) {
+    base.setAttribute(k, v);
+  }
+  svg.replaceChildren(base);
+  if (!points.length) return;
+  const first = points[0].t - s.history_every_s;
+  const width = Math.max(points[points.length - 1].t - first, 1e-9);
+  const x = (t) => ((Math.max(t, first) - first) / width * 260).toFixed(1);
+  const y = (v) => (68 - v / top * 66).toFixed(1);
+  const xy = [];
+  points.forEach((p, i) => {
+    const start = i ? points[i - 1].t : p.t - s.history_every_s;
+    xy.push(x(start) + "," + y(p[key]), x(p.t) + "," + y(p[key]));
+  });
   const line = document.createElementNS(SVG, "polyline");
-  line.setAttribute("points", values.map(
-    (v, i) => (i * 260 / (values.length - 1)).toFixed(1) + "," + (68 - v / top * 66).toFixed(1)
-  ).join(" "));
+  line.setAttribute("points", xy.join(" "));
   svg.appendChild(line);
+}
+function rows(id, pairs, empty) {
+  const body = $(id);
+  body.replaceChildren();
+  for (const [name, n] of pairs.length ? pairs : [[empty, "-"]]) {
+    const row = body.insertRow();
+    cell(row, name);
+    cell(row, String(n));
+  }
 }
 function render(s) {
   $("about").textContent = "version " + s.version + " \\u00b7 mode " + s.mode
@@ -120,13 +171,15 @@ function render(s) {
   $("eps").textContent = rate(now.errors);
   $("rejected").textContent = rate(now.rejected);
   $("tps").textContent = rate(now.tokens);
+  $("kvps").textContent = rate(now.kv_transfers);
+  $("fps").textContent = rate(now.fallbacks);
   const usable = (role) => s.engines.filter(
     (e) => e.role === role && e.status === "healthy").length;
   $("prefill-count").textContent = usable("prefill");
   $("decode-count").textContent = usable("decode");
   $("in-flight").textContent = s.engines.reduce((n, e) => n + e.in_flight, 0);
-  $("ttft-label").textContent = "TTFT p50 / p95, last " + Math.round(s.ttft.window_s) + " s ("
-    + s.ttft.count + " req)";
+  $("ttft-label").textContent = "TTFT p50 / p95 from arrival, last "
+    + Math.round(s.ttft.window_s) + " s (" + s.ttft.count + " req)";
   $("ttft").textContent = ms(s.ttft.p50_s) + " / " + ms(s.ttft.p95_s);
   const body = $("engines");
   body.replaceChildren();
@@ -142,21 +195,21 @@ function render(s) {
     cell(row, String(e.consecutive_errors));
     cell(row, e.kv_event_batches === null ? "-" : String(e.kv_event_batches));
   }
-  $("history-title").textContent = "Last " + Math.round(
-    s.history.length ? (s.history[s.history.length - 1].t - s.history[0].t) : 0)
-    + " s (kept: 5 minutes)";
-  chart("requests", s.history, "requests");
-  chart("errors", s.history, "errors");
-  chart("rejected", s.history, "rejected");
-  chart("tokens", s.history, "tokens");
-  const kv = [];
+  $("history-title").textContent = "Last " + Math.round(s.history_span_s / 60) + " minutes";
+  const h = s.history;
+  $("history-note").textContent = (h.length ? Math.round(h[h.length - 1].t - h[0].t
+    + s.history_every_s) : 0) + " s collected so far, one point every "
+    + s.history_every_s + " s; the charts span what was collected";
+  for (const [key, title] of CHARTS) chart(key, title, s);
+  const kv = [["KV transfers (prefill legs that handed KV to decode)", s.kv.kv_transfers]];
   for (const [index, n] of Object.entries(s.kv.prefix_index_entries)) {
-    kv.push("prefix index " + index + ": " + n + " entries");
+    kv.push(["prefix index " + index + " entries", n]);
   }
   for (const [result, n] of Object.entries(s.kv.kv_aborts)) {
-    kv.push("KV frees asked (" + result + "): " + n);
+    kv.push(["KV frees asked (" + result + ")", n]);
   }
-  $("kv").textContent = kv.length ? kv.join(" \\u00b7 ") : "no KV figures known to the router";
+  rows("kv", kv, "");
+  rows("fallbacks", Object.entries(s.kv.fallbacks), "none");
   $("error").textContent = "";
   document.body.dataset.loaded = "true";
 }
@@ -169,6 +222,7 @@ async function refresh() {
     $("error").textContent = "cannot load the router state: " + err.message;
   }
 }
+buildCharts();
 refresh();
 setInterval(refresh, 2000);
 </script>

@@ -1,9 +1,11 @@
 """The /dashboard status page: its JSON state, the recent-TTFT window, and the page itself
-loaded in a real headless Chromium driven over the DevTools protocol (aiohttp websocket)."""
+loaded in a real headless Chromium driven over the DevTools protocol (aiohttp websocket),
+which also saves a screenshot of it (`dashboard.png` in the test's tmp dir)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
@@ -59,7 +61,7 @@ def test_recent_ttft_window_forgets_old_requests() -> None:
 async def completion(router: RunningRouter) -> None:
     reply = await router.client.post(
         "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 3,
-                                 "stream": True})
+                                 "stream": True, "stream_options": {"include_usage": True}})
     assert reply.status_code == 200
 
 
@@ -196,58 +198,122 @@ async def browser(tmp_path: Path) -> AsyncIterator[DevTools]:
             proc.wait()
 
 
-async def test_page_shows_the_engines_in_a_real_browser(
-    cluster: RunningRouter, tmp_path: Path
+@pytest.fixture
+async def busy(make_engine: MakeEngine, start_router: StartRouter) -> RunningRouter:
+    """Traffic the page has something to show for: round-robin over P0 (hands its KV to
+    decode) and P1 (answers without KV params, so decode recomputes: a fallback)."""
+    p0 = await make_engine(engine_id="P0")
+    p1 = await make_engine(engine_id="P1", return_kv_params=False)
+    d0 = await make_engine(engine_id="D0")
+    router = await start_router([p0, p1], [d0], prefill_policy="round-robin")
+    for _ in range(4):
+        await completion(router)
+    assert len(p0.requests) == len(p1.requests) == 2
+    return router
+
+
+TEXTS = "[...document.querySelectorAll('{}')].map(e => e.textContent)"
+TABLE = ("[...document.querySelectorAll('{} tr')]"
+         ".map(r => [...r.cells].map(c => c.textContent))")
+# Each history chart's title and the y values of its line ([] while no point is drawn).
+CHARTS = ("[...document.querySelectorAll('.chart')].map(c => [c.querySelector('.label')"
+          ".textContent, (c.querySelector('polyline')?.getAttribute('points') ?? '')"
+          ".split(' ').filter(Boolean).map(xy => 68 - Number(xy.split(',')[1]))])")
+
+
+async def test_page_shows_engines_charts_and_tables_in_a_real_browser(
+    busy: RunningRouter, tmp_path: Path
 ) -> None:
-    state = (await cluster.client.get("/dashboard/state")).json()
-    expected = sorted(
-        [e["role"], e["url"], e["status"], "closed", "0", str(e["consecutive_errors"]), "-"]
-        for e in state["engines"])
+    state = (await busy.client.get("/dashboard/state")).json()
+    assert state["kv"]["kv_transfers"] == 2 and state["kv"]["fallbacks"] == {"no_kv_params": 2}
+    expected = sorted([e["role"], e["url"], "healthy", "closed", "0", "0", "-"]
+                      for e in state["engines"])
     async with browser(tmp_path) as page:
-        await page.call("Page.navigate", url=f"{cluster.url}/dashboard")
+        await page.call("Emulation.setDeviceMetricsOverride", width=1280, height=900,
+                        deviceScaleFactor=1, mobile=False)
+        await page.call("Page.navigate", url=f"{busy.url}/dashboard")
         for _ in range(200):
             if await page.evaluate("document.body && document.body.dataset.loaded") == "true":
                 break
             await asyncio.sleep(0.05)
         else:
             pytest.fail(f"the page never rendered the state; errors: {page.errors()}")
-        rows = await page.evaluate(
-            "[...document.querySelectorAll('#engines tr')]"
-            ".map(r => [...r.cells].map(c => c.textContent))")
-        status = await page.evaluate("document.getElementById('ready').textContent")
-        ttft = await page.evaluate("document.getElementById('ttft-label').textContent")
-        about = await page.evaluate("document.getElementById('about').textContent")
+        first_about = await page.evaluate("document.getElementById('about').textContent")
+        # The router samples its counters every 5 s: the page, refreshing itself, draws
+        # the first interval (which holds the 4 requests) once the sampler took it.
+        for _ in range(300):
+            charts = dict(await page.evaluate(CHARTS))
+            if charts and all(charts.values()):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            pytest.fail(f"no history drawn: {charts}; errors: {page.errors()}")
+        for _ in range(200):  # it refreshes itself: "up N s" moves on without a reload
+            about = await page.evaluate("document.getElementById('about').textContent")
+            if about != first_about:
+                break
+            await asyncio.sleep(0.05)
+        engines = await page.evaluate(TABLE.format("#engines"))
+        kv = await page.evaluate(TABLE.format("#kv"))
+        fallbacks = await page.evaluate(TABLE.format("#fallbacks"))
+        cards = dict(zip(await page.evaluate(TEXTS.format(".card .label")),
+                         await page.evaluate(TEXTS.format(".card .value")), strict=True))
+        title, ttft = [await page.evaluate(f"document.getElementById('{id}').textContent")
+                       for id in ("history-title", "ttft-label")]
+        shot = base64.b64decode((await page.call(
+            "Page.captureScreenshot", format="png", captureBeyondViewport=True))["data"])
         await page.call("Page.reload")  # a second load: still no errors
         await asyncio.sleep(0.3)
-        shot = await page.call("Page.captureScreenshot", format="png")
         errors = page.errors()
-    assert sorted(rows) == expected and len(rows) == 3
-    assert status == "ready" and "(1 req)" in ttft
+    assert sorted(engines) == expected and len(engines) == 3
+    assert cards["Status"] == "ready" and "(4 req)" in ttft and "from arrival" in ttft
     assert f"version {__version__}" in about and "mode pull" in about
+    assert about != first_about, about
+    assert title == "Last 15 minutes"
+    titles = [t.split(" (")[0] for t in charts]
+    assert titles == ["requests / s", "errors / s", "429 / s", "tokens / s",
+                      "KV transfers / s", "fallbacks / s"]
+    # Requests, KV transfers and fallbacks happened: their lines rise off the baseline;
+    # no errors or 429s: flat on it.
+    peaks = {t.split(" (")[0]: max(ys) for t, ys in charts.items()}
+    assert all(peaks[t] > 60 for t in ("requests / s", "tokens / s", "KV transfers / s",
+                                       "fallbacks / s"))
+    assert peaks["errors / s"] == peaks["429 / s"] == 0
+    assert ["KV transfers (prefill legs that handed KV to decode)", "2"] in kv
+    assert fallbacks == [["no_kv_params", "2"]]
+    # The latest interval's rates (0 if the traffic fell in an earlier one).
+    assert all(float(cards[c]) >= 0 for c in ("KV transfers / s", "Fallbacks / s"))
     assert errors == [], errors
-    assert shot["data"]  # the page painted
+    (tmp_path / "dashboard.png").write_bytes(shot)
+    assert shot.startswith(b"\x89PNG\r\n\x1a\n") and len(shot) > 20_000, len(shot)
 
 
-def test_history_keeps_five_minutes_of_rates() -> None:
+def test_history_keeps_fifteen_minutes_of_rates() -> None:
     metrics = RouterMetrics.create(CollectorRegistry())
     clock = Clock()
-    history = History(span_s=300.0, every_s=5.0, clock=clock)
+    history = History(clock=clock)
+    assert (history.span_s, history.every_s) == (900.0, 5.0)
     history.sample(metrics, in_flight=0)
     assert not history.points and not history.due()
     for status, n in (("200", 20), ("429", 5), ("502", 2), ("499", 3)):
         metrics.child(metrics.requests, "/v1/completions", status).inc(n)
     metrics.observe_usage("tiny", {"prompt_tokens": 40, "completion_tokens": 100})
+    for _ in range(6):  # 6 prefill legs: 1 handed decode no KV, 1 ran before a pull
+        metrics.prefill_duration.observe(0.01)
+    for reason in ("no_kv_params", "no_push", "no_prefill"):
+        metrics.count_fallback(reason)
     clock.now += 10
     assert history.due()
     history.sample(metrics, in_flight=4)
     point = history.points[-1]
-    # 30 answers in 10 s: 2 errors (the 499s are clients that left, the 429s refusals).
-    assert (point.requests, point.errors, point.rejected, point.tokens, point.in_flight) == (
-        3.0, 0.2, 0.5, 10.0, 4)
-    for _ in range(70):  # 350 s more: the oldest points leave the window
+    # 30 answers in 10 s: 2 errors (the 499s are clients that left, the 429s refusals);
+    # 5 legs handed their KV on (no_push switched to the pull flow, which transfers KV).
+    assert (point.requests, point.errors, point.rejected, point.tokens, point.in_flight,
+            point.kv_transfers, point.fallbacks) == (3.0, 0.2, 0.5, 10.0, 4, 0.5, 0.3)
+    for _ in range(190):  # 950 s more: the oldest points leave the window
         clock.now += 5
         history.sample(metrics, in_flight=0)
-    assert history.points[0].t == clock.now - 300 and len(history.points) == 61
+    assert history.points[0].t == clock.now - 900 and len(history.points) == 181
     assert history.points[-1].requests == 0.0
 
 

@@ -38,6 +38,24 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _free_port_pair() -> int:
+    """A port p such that p and p + 1 are both free (worker i binds the notify port + i),
+    below the ephemeral range so no outgoing connection takes p + 1 meanwhile."""
+    import random
+    import socket
+
+    for _ in range(200):
+        port = random.randrange(20000, 32000)
+        with socket.socket() as a, socket.socket() as b:
+            try:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no two adjacent free ports")
+
+
 def _children(pid: int) -> set[int]:
     found: set[int] = set()
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -134,7 +152,7 @@ async def test_notify_mode_notices_reach_the_worker_that_waits(
     make_engine: Callable[..., Any], start_tree: Callable[..., Any]
 ) -> None:
     p, d = await make_engine(engine_id="p"), await make_engine(engine_id="d")
-    notify_port = _free_port()
+    notify_port = _free_port_pair()
     tree = await start_tree(p, d, "--pd-mode", "notify", "--notify-bind",
                             f"tcp://127.0.0.1:{notify_port}", "--kv-ready-timeout-s", "5",
                             "--no-early-first-token")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-USAGE = """usage: pdgate {router,shim,up} [options]
+USAGE = """usage: pdgate {router,shim,up} [options] | pdgate --version
 
 Disaggregated prefill/decode serving gateway.
 
@@ -40,6 +40,15 @@ def _up_main(argv: list[str]) -> int:
     return main(argv)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pdgate")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
+
+
 SUBCOMMANDS: dict[str, Callable[[list[str]], int]] = {
     "router": _router_main,
     "shim": _shim_main,
@@ -52,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(USAGE, end="")
         return 0 if args else 2
+    if args[0] in ("-V", "--version"):
+        print(f"pdgate {_version()}")
+        return 0
     command = SUBCOMMANDS.get(args[0])
     if command is None:
         print(f"pdgate: unknown subcommand {args[0]!r}\n\n{USAGE}", end="", file=sys.stderr)

@@ -331,13 +331,20 @@ def install_routes(app: FastAPI, holder: StateHolder) -> None:
     for path, kind in (("/v1/completions", "completion"), ("/v1/chat/completions", "chat")):
         app.router.add_route(path, _completion_handler(holder, kind, path), methods=["POST"])
 
+    def model_card(name: str) -> dict[str, object]:
+        return {"id": name, "object": "model", "created": holder.state.started_at,
+                "owned_by": "pdgate"}
+
     async def models(request: Request) -> Response:
-        st = holder.state
-        data = [
-            {"id": name, "object": "model", "created": st.started_at, "owned_by": "pdgate"}
-            for name in st.config.served_names
-        ]
+        data = [model_card(name) for name in holder.state.config.served_names]
         return _json_response({"object": "list", "data": data})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in holder.state.config.served_names:
+            return error_response(ModelNotFound(f"The model `{name}` does not exist.",
+                                                param="model"))
+        return _json_response(model_card(name))
 
     async def health(request: Request) -> Response:
         return _json_response({"status": "ok"})
@@ -356,6 +363,8 @@ def install_routes(app: FastAPI, holder: StateHolder) -> None:
         return Response(generate_latest(holder.state.registry), media_type=CONTENT_TYPE_LATEST)
 
     app.router.add_route("/v1/models", models, methods=["GET"])
+    # `:path`: served names may hold slashes ("org/model"), as vLLM's do.
+    app.router.add_route("/v1/models/{model:path}", model, methods=["GET"])
     app.router.add_route("/health", health, methods=["GET"])
     app.router.add_route("/ready", ready, methods=["GET"])
     app.router.add_route("/metrics", metrics, methods=["GET"])

@@ -36,7 +36,7 @@ from router.health import HealthSettings
 from router.limits import InputLimits
 from router.metrics import RouterMetrics
 from router.orchestrator import Orchestrator
-from router.policies import POLICIES
+from router.policies import POLICY_NAMES
 from router.policies.setup import check_routing, open_routing
 from router.pool import Endpoint, EndpointPool
 from router.tokenization import PromptTokenizer, load_tokenizer
@@ -59,7 +59,7 @@ def create_app(
     `tokenizer`: a preloaded tokenizer (tests share one); default loads
     `config.tokenizer_source` at startup. Raises `ConfigError` for invalid settings.
     """
-    validate_config(config, frozenset(POLICIES))
+    validate_config(config, POLICY_NAMES)
     check_routing(config)
     tracing = TracingSlot(config, os.environ)  # off unless configured (router/tracing.py)
     holder = StateHolder()

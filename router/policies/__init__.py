@@ -16,11 +16,20 @@ One `Policy` Protocol (`base.py`), one module per policy, a read-only registry
 from __future__ import annotations
 
 from router.policies.base import PickContext, Policy, PolicyEnv, Scorer
-from router.policies.registry import POLICIES, build_policy, check_policy, policy_spec
+from router.policies.registry import (
+    ALIASES,
+    POLICIES,
+    POLICY_NAMES,
+    build_policy,
+    check_policy,
+    policy_spec,
+)
 from router.policies.runner import Selector, choose
 
 __all__ = [
+    "ALIASES",
     "POLICIES",
+    "POLICY_NAMES",
     "PickContext",
     "Policy",
     "PolicyEnv",

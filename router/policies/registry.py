@@ -20,7 +20,8 @@ from router.policies.round_robin import RoundRobin
 from router.policies.runner import Selector
 from router.policies.session import Session
 
-__all__ = ["POLICIES", "build_policy", "check_policy", "policy_spec"]
+__all__ = ["ALIASES", "POLICIES", "POLICY_NAMES", "build_policy", "check_policy",
+           "policy_spec"]
 
 _BUILTINS: tuple[type[Any], ...] = (
     RoundRobin,
@@ -36,10 +37,26 @@ POLICIES: MappingProxyType[str, type[Policy]] = MappingProxyType(
 )
 """Registered policy classes by `type` name (read-only)."""
 
+ALIASES: MappingProxyType[str, str] = MappingProxyType({
+    # vllm-router's policy names, for configurations migrated from it.
+    "round_robin": "round-robin",
+    "power_of_two": "power-of-two",
+    "cache_aware": "prefix-aware",
+    "consistent_hash": "session",  # the same key (session header / user) -> the same engine
+})
+"""Other names accepted for a registered type (read-only)."""
+
+POLICY_NAMES = frozenset(POLICIES) | frozenset(ALIASES)
+"""Every accepted `type`: registered names and aliases."""
+
 
 def policy_spec(spec: str | PolicySpec) -> PolicySpec:
-    """A bare type name is the spec `{type: name}` with default params."""
-    return PolicySpec(type=spec) if isinstance(spec, str) else spec
+    """A bare type name is the spec `{type: name}` with default params; an alias becomes
+    the type it names."""
+    spec = PolicySpec(type=spec) if isinstance(spec, str) else spec
+    if spec.type in ALIASES:
+        return PolicySpec(type=ALIASES[spec.type], name=spec.name, params=spec.params)
+    return spec
 
 
 def check_policy(spec: str | PolicySpec) -> tuple[type[Policy], Any]:
@@ -47,7 +64,7 @@ def check_policy(spec: str | PolicySpec) -> tuple[type[Policy], Any]:
     spec = policy_spec(spec)
     cls = POLICIES.get(spec.type)
     if cls is None:
-        known = ", ".join(POLICIES)
+        known = ", ".join([*POLICIES, *(f"{a} (= {t})" for a, t in ALIASES.items())])
         raise ConfigError(f"unknown policy {spec.type!r} (known: {known})")
     return cls, parse_params(spec.name or spec.type, spec.params, cls.Params)
 

@@ -349,7 +349,22 @@ def load_config(
         return msgspec.convert(raw, RouterConfig)
     except msgspec.ValidationError as exc:
         source = f"{yaml_path}: " if yaml_path is not None else ""
-        raise ConfigError(f"{source}{exc}") from None
+        raise ConfigError(f"{source}{_name_the_setting(str(exc))}") from None
+
+
+def _name_the_setting(message: str) -> str:
+    """msgspec's message with the setting named as a user gives it: the flag, the YAML key
+    and the environment variable (`Object missing required field `model``, `... - at `$.port``)."""
+    missing = re.fullmatch(r"Object missing required field `(\w+)`", message)
+    field = missing.group(1) if missing else None
+    if field is None and (at := re.search(r" - at `\$\.(\w+)`", message)):
+        field = at.group(1)
+    if field is None:
+        return message
+    names = f"--{field.replace('_', '-')} (YAML `{field}`, env PDGATE_{field.upper()})"
+    if missing:
+        return f"missing required setting {names}"
+    return f"{names}: {message[:message.index(' - at ')]}"
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

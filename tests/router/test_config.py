@@ -53,8 +53,19 @@ def test_unknown_yaml_field_is_named(tmp_path: Path) -> None:
 
 def test_wrong_type_is_named(tmp_path: Path) -> None:
     path = write(tmp_path, "model: m\nport: eighty\n")
-    with pytest.raises(ConfigError, match=r"\$\.port"):
+    named = r"--port \(YAML `port`, env PDGATE_PORT\): Expected `int`"
+    with pytest.raises(ConfigError, match=named):
         load_config(path)
+
+
+def test_a_missing_setting_is_named_as_flag_yaml_key_and_env(
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    from router.cli import main
+
+    assert main(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]) == 2
+    assert "missing required setting --model (YAML `model`, env PDGATE_MODEL)" \
+        in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("changes", "field"), [

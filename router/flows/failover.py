@@ -134,16 +134,16 @@ async def choose_prefill(pool: EndpointPool, selector: Selector, ctx: PickContex
 
 
 async def run_or_pull(
-    req: ClientRequest, run: Callable[[ClientRequest, Exclusions], Awaitable[T]], *,
-    pool: EndpointPool, max_retries: int, retry_backoff_s: float, metrics: RouterMetrics,
+    req: ClientRequest, run: Callable[[ClientRequest, Exclusions], Awaitable[T]],
+    parts: FlowParts,
 ) -> T | None:
     """A notify/push flow's `run`: `with_failover`, or None ("run the pull flow") when no
     prefill engine is healthy or an attempt raised `PullInstead`."""
-    if not pool.healthy("prefill"):
+    if not parts.pool.healthy("prefill"):
         return None
     try:
-        return await with_failover(req, run, max_retries=max_retries,
-                                   retry_backoff_s=retry_backoff_s, metrics=metrics)
+        return await with_failover(req, run, max_retries=parts.max_retries,
+                                   retry_backoff_s=parts.retry_backoff_s, metrics=parts.metrics)
     except PullInstead:
         return None
 

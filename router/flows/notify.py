@@ -37,7 +37,6 @@ from proxy import (
     WaiterTable,
 )
 from proxy.kv_contract import Continuation, NotifyDecodeParams, NotifyPrefillParams
-from router.aborts import Aborter
 from router.errors import (
     EngineError,
     EngineRejected,
@@ -71,29 +70,26 @@ _REPLY_AFTER_KV_S = 1.0  # P's reply trails its KV-ready notice by ~ms; past thi
 class NotifyFlow:
     """Runs disaggregated requests in notify mode. Built once per app, in the lifespan."""
 
-    def __init__(self, orch: FlowParts, proxy: NotifyServer, metrics: FlowMetrics,
-                 aborter: Aborter, kv_ready_timeout_s: float, *,
+    def __init__(self, parts: FlowParts, proxy: NotifyServer, metrics: FlowMetrics,
+                 kv_ready_timeout_s: float, *,
                  early_first_token: bool = True) -> None:
-        self.orch = orch
+        self.parts = parts
         self.proxy = proxy
         self.metrics = metrics
-        self.aborter = aborter
+        self.aborter = parts.aborter
         self.timeout = kv_ready_timeout_s
         self.early_first_token = early_first_token
 
     async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult | None:
         """Serve `req`; None means "run the pull flow": D cannot reserve, or no prefill
         engine is healthy (pull then serves it on a decode engine alone, counted)."""
-        o = self.orch
-        return await run_or_pull(
-            req, lambda r, ex: self._attempt(r, ex, t0), pool=o.pool,
-            max_retries=o.max_retries, retry_backoff_s=o.retry_backoff_s, metrics=o.metrics)
+        return await run_or_pull(req, lambda r, ex: self._attempt(r, ex, t0), self.parts)
 
     async def _attempt(self, req: ClientRequest, ex: Exclusions,
                        t0: float) -> bytes | StreamResult:
         """One try on one D and one P; a failure before the client's first byte releases
         what this attempt holds and raises `LegFailure` (router/flows/failover.py)."""
-        o = self.orch
+        o = self.parts
         ctx = PickContext.of(req)
         d_ep = await choose(o.pool, "decode", o.policies["decode"], ctx, exclude=ex.decode)
         p_ep = await choose_prefill(o.pool, o.policies["prefill"], ctx, ex)
@@ -123,7 +119,7 @@ class NotifyFlow:
         except EngineRejected as exc:
             if exc.status != 404:
                 raise
-            self.orch.metrics.count_fallback("no_reserve")
+            self.parts.metrics.count_fallback("no_reserve")
             raise PullInstead from None
         except RouterError as exc:
             raise LegFailure("decode", d_ep, exc) from None
@@ -132,7 +128,7 @@ class NotifyFlow:
 
     async def _reserve(self, d_ep: Endpoint, req: ClientRequest, n: int) -> dict[str, Any]:
         body = _json_encode({"request_id": req.request_id, "num_tokens": n})
-        o = self.orch
+        o = self.parts
         with o.pool.track(d_ep):
             call = asyncio.ensure_future(o.engines.post_json(
                 d_ep.url, "/v1/kv/reserve", body, req.engine_headers))
@@ -174,7 +170,7 @@ class NotifyFlow:
             # Past this (wall clock) P must not start writing: D's blocks are going away.
             write_deadline=time.time() + self.timeout,
         ).to_params())
-        o = self.orch
+        o = self.parts
         leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, body)
         # P failing, or answering without pushing (it stopped early), wakes the wait now.
         leg.task.add_done_callback(lambda _t: _cancel_unless_pushed(leg, waiters, rid))
@@ -186,7 +182,7 @@ class NotifyFlow:
         sides and raises (or falls back, see `_failed`)."""
         rid = req.request_id
         waiters = self.proxy.waiters
-        o = self.orch
+        o = self.parts
         try:
             await waiters.wait(rid, self.timeout)
         except BaseException as exc:
@@ -205,7 +201,7 @@ class NotifyFlow:
         self.aborter.abort(d_ep.url, rid)  # D's reservation
         if isinstance(exc, WaitCancelled) and leg.error() is None and leg.task.done():
             # P answered without pushing (early stop, as vLLM: no KV params): D recomputes.
-            self.orch.metrics.count_fallback("no_kv_push")
+            self.parts.metrics.count_fallback("no_kv_push")
             return _Leg(leg, None)
         leg.cancel()
         self.aborter.abort(p_ep.url, rid)  # P's blocks, if it pinned any
@@ -229,7 +225,7 @@ class NotifyFlow:
 
     async def _run_decode(self, req: ClientRequest, d_ep: Endpoint, kv: _Leg,
                           t0: float) -> bytes:
-        o = self.orch
+        o = self.parts
         body = decode_leg_body(req.body, None if kv.params is None else remote_prefill(kv.params))
         try:
             with o.pool.track(d_ep):
@@ -247,7 +243,7 @@ class NotifyFlow:
 
     async def _open_decode(self, req: ClientRequest, d_ep: Endpoint, kv: _Leg,
                            t0: float) -> StreamResult:
-        o = self.orch
+        o = self.parts
         body = decode_leg_body(req.body, None if kv.params is None else remote_prefill(kv.params))
         stack = contextlib.ExitStack()
         stack.enter_context(o.pool.track(d_ep))
@@ -286,7 +282,7 @@ class NotifyFlow:
             return await self._open_decode(req, d_ep, await wait, t0)
         head = head_chunks(reply, req.kind == "chat", req.wants_usage_chunks)
         source = _EarlyStream(self, req, d_ep, head, ids, wait)
-        chunks = relay(source, leg, self.orch.metrics, t0, MODE, req.wants_usage_chunks)
+        chunks = relay(source, leg, self.parts.metrics, t0, MODE, req.wants_usage_chunks)
         return StreamResult(chunks, source.close)
 
 
@@ -310,7 +306,7 @@ class _EarlyStream:
         if self._head:
             yield self._head
         params = await self._decode_params()
-        o = self._flow.orch
+        o = self._flow.parts
         self._stack.enter_context(o.pool.track(self._d_ep))
         stream = await open_continuation(o.engines, self._req, self._d_ep.url, params,
                                          self._stack)

@@ -34,7 +34,6 @@ from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
 from proxy.kv_contract import Continuation, PushDecodeParams, PushPrefillParams
-from router.aborts import Aborter
 from router.engines import EngineStream
 from router.errors import EngineError, EngineTimeout, RouterError
 from router.flows.base import FlowParts, StreamResult
@@ -71,29 +70,25 @@ MODE = "push"
 class PushFlow:
     """Runs disaggregated requests in push mode. Built once per app, in the lifespan."""
 
-    def __init__(self, orch: FlowParts, metrics: FlowMetrics, aborter: Aborter,
-                 info: KVInfoCache, *, early_first_token: bool = True,
-                 kv_wait_s: float = 30.0) -> None:
+    def __init__(self, parts: FlowParts, metrics: FlowMetrics, info: KVInfoCache, *,
+                 early_first_token: bool = True, kv_wait_s: float = 30.0) -> None:
         self.kv_wait_s = kv_wait_s  # D stops waiting for P's push after this (push_deadline)
-        self.orch = orch
+        self.parts = parts
         self.metrics = metrics
-        self.aborter = aborter
+        self.aborter = parts.aborter
         self.peers = PushPeers(info)
         self.early_first_token = early_first_token
 
     async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult | None:
         """Serve `req`; None means "run the pull flow": P cannot push, or no prefill engine
         is healthy (pull then serves it on a decode engine alone, counted)."""
-        o = self.orch
-        return await run_or_pull(
-            req, lambda r, ex: self._attempt(r, ex, t0), pool=o.pool,
-            max_retries=o.max_retries, retry_backoff_s=o.retry_backoff_s, metrics=o.metrics)
+        return await run_or_pull(req, lambda r, ex: self._attempt(r, ex, t0), self.parts)
 
     async def _attempt(self, req: ClientRequest, ex: Exclusions,
                        t0: float) -> bytes | StreamResult:
         """One try on one P and one D; a failure before the client's first byte releases
         what this attempt holds and raises `LegFailure` (router/flows/failover.py)."""
-        o = self.orch
+        o = self.parts
         ctx = PickContext.of(req)
         p_ep = await choose_prefill(o.pool, o.policies["prefill"], ctx, ex)
         d_ep = await choose(o.pool, "decode", o.policies["decode"], ctx, exclude=ex.decode)
@@ -131,7 +126,7 @@ class PushFlow:
 
     async def _peer_or_fail(self, p_ep: Endpoint, req: ClientRequest) -> ShimPeer | VllmPeer:
         if self.peers.pull_only(p_ep):
-            self.orch.metrics.count_fallback("no_push")
+            self.parts.metrics.count_fallback("no_push")
             raise PullInstead
         try:
             return await self.peers.get(p_ep, req.engine_headers)
@@ -142,7 +137,7 @@ class PushFlow:
                             identity: VllmIdentity | None, t0: float) -> bytes | StreamResult:
         """One try with a vLLM prefill engine: both legs at once when its identity is
         known, else P first (D's leg then names the identity P answered)."""
-        o = self.orch
+        o = self.parts
         leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, prefill_leg_body(req.body))
         req.served_by["decode"] = d_ep.url
         watch = _Watch(self, req, leg, p_ep, d_ep, vllm=True, sent=identity)
@@ -171,7 +166,7 @@ class PushFlow:
 
     async def _run_decode(self, req: ClientRequest, d_ep: Endpoint, body: bytes,
                           watch: _Watch, t0: float) -> bytes:
-        o = self.orch
+        o = self.parts
 
         async def call() -> bytes:
             with o.pool.track(d_ep):
@@ -186,9 +181,9 @@ class PushFlow:
                             watch: _Watch) -> tuple[EngineStream, contextlib.ExitStack]:
         """D's stream, opened while watching P; the stack closes it (and D's slot)."""
         stack = contextlib.ExitStack()
-        stack.enter_context(self.orch.pool.track(d_ep))
+        stack.enter_context(self.parts.pool.track(d_ep))
         opening = asyncio.create_task(
-            self.orch.engines.open_stream(d_ep.url, req.path, body, req.engine_headers))
+            self.parts.engines.open_stream(d_ep.url, req.path, body, req.engine_headers))
         try:
             stream = await watch.run(opening)
         except BaseException:
@@ -203,7 +198,7 @@ class PushFlow:
         if watch.vllm:
             # vLLM sends a stream's headers at once, and a failure as 200 + an SSE error
             # event: its first line says whether the KV landed, before the client sees one.
-            first = asyncio.create_task(stream.check_start(self.orch.engines.first_byte_timeout_s))
+            first = asyncio.create_task(stream.check_start(self.parts.engines.first_byte_timeout_s))
             try:
                 await watch.run(first, after_answer_s=self.kv_wait_s)
             except BaseException:
@@ -213,7 +208,7 @@ class PushFlow:
         stack.callback(watch.leg.cancel)  # a no-op once P has answered
         source = _WatchedStream(stream, watch)
         stack.callback(self._release_prefill_unless, source, watch)
-        chunks = relay(source, watch.leg, self.orch.metrics, t0, MODE, req.wants_usage_chunks)
+        chunks = relay(source, watch.leg, self.parts.metrics, t0, MODE, req.wants_usage_chunks)
         return StreamResult(chunks, stack.close)
 
     def _release_prefill_unless(self, source: _WatchedStream | _Continuation,
@@ -229,7 +224,7 @@ class PushFlow:
         """Both legs are out; D was asked to continue after P's token. Once P answers, open
         the client's stream with P's token and relay D's continuation (D failing to learn
         the token: it continues after it by recomputing). P pushing nothing: a plain D leg."""
-        o = self.orch
+        o = self.parts
         stream, stack = await self._open_watched(req, d_ep, body, watch)
         try:
             await asyncio.wait({watch.leg.task})
@@ -272,7 +267,7 @@ class _Continuation:
     async def chunks(self) -> AsyncIterator[bytes]:
         if self._head:
             yield self._head
-        o, req, metrics = self._flow.orch, self._req, self._flow.metrics
+        o, req, metrics = self._flow.parts, self._req, self._flow.metrics
         stream = self._stream
         try:
             await stream.check_start(o.engines.first_byte_timeout_s)
@@ -393,13 +388,13 @@ class _Watch:
         self.p_ep.health.record_success()
         self._settled = True
         params = self.leg.kv_params()
-        self.flow.orch.metrics.prefill_duration.observe(time.perf_counter() - self.leg.t0)
+        self.flow.parts.metrics.prefill_duration.observe(time.perf_counter() - self.leg.t0)
         if self.vllm:
             self._settle_vllm(params)
             return
         self.pushed = isinstance(params, dict) and params.get("pdgate_mode") == MODE
         if not self.pushed:
-            self.flow.orch.metrics.count_fallback("no_kv_push")
+            self.flow.parts.metrics.count_fallback("no_kv_push")
             self.flow.aborter.abort(self.d_ep.url, self.req.request_id)
 
     def _settle_vllm(self, params: Any) -> None:
@@ -409,7 +404,7 @@ class _Watch:
             return
         if not self.pushed:  # D reads the KV (a pull answer) or computes the prompt
             reason = "no_push" if learned is Learned.PULL else "no_kv_push"
-            self.flow.orch.metrics.count_fallback(reason)
+            self.flow.parts.metrics.count_fallback(reason)
         self.d_params = d_params
         if self.redrive_ok:
             raise _Redrive(d_params, f"the prefill engine answered {learned.value}")

@@ -30,7 +30,7 @@ async def open_flows(
         return pull, pull
     metrics = FlowMetrics.create(registry)
     if config.pd_mode == "push":
-        return pull, PushFlow(parts, metrics, parts.aborter, KVInfoCache(parts.engines),
+        return pull, PushFlow(parts, metrics, KVInfoCache(parts.engines),
                               early_first_token=config.early_first_token,
                               kv_wait_s=config.kv_ready_timeout_s)
     proxy = NotifyServer(
@@ -41,5 +41,5 @@ async def open_flows(
     )
     await proxy.start()
     stack.push_async_callback(proxy.close)
-    return pull, NotifyFlow(parts, proxy, metrics, parts.aborter, config.kv_ready_timeout_s,
+    return pull, NotifyFlow(parts, proxy, metrics, config.kv_ready_timeout_s,
                             early_first_token=config.early_first_token)

@@ -81,7 +81,7 @@ COPY pdgate ./pdgate
 # cannot import torch or nixl even by accident.
 RUN python -m venv /opt/pdgate \
  && /opt/pdgate/bin/pip install --constraint constraints-router.txt . \
- && /opt/pdgate/bin/python -c "import router.app, proxy; import importlib.util as u; \
+ && /opt/pdgate/bin/python -c "import pdgate.router.app, pdgate.proxy; import importlib.util as u; \
 assert u.find_spec('torch') is None and u.find_spec('nixl') is None"
 
 # ---------------------------------------------------------------- router: runtime image

@@ -54,9 +54,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine_shim.kv_layout import LAYOUTS, KVLayout, coalesce_pairs, region_list  # noqa: E402
-from engine_shim.kv_reader import block_indices, per_block_regions  # noqa: E402
-from engine_shim.nixl_agent import MemType, NixlAgent, PreppedList, Xfer, XferOp  # noqa: E402
+from pdgate.engine_shim.kv_layout import LAYOUTS, KVLayout, coalesce_pairs, region_list  # noqa: E402
+from pdgate.engine_shim.kv_reader import block_indices, per_block_regions  # noqa: E402
+from pdgate.engine_shim.nixl_agent import MemType, NixlAgent, PreppedList, Xfer, XferOp  # noqa: E402
 
 SEED_P, SEED_D = 1234, 4321
 MODES = ("per_block", "coalesced", "regions", "contiguous")

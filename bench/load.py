@@ -115,11 +115,11 @@ async def _load(port: int, pid: int, args: argparse.Namespace, res: RunResult) -
 
 def one_run(label: str, engines: tuple[int, int], router_flags: list[str],
             args: argparse.Namespace) -> RunResult:
-    from engine_shim.tiny import ensure_tiny_model
+    from pdgate.engine_shim.tiny import ensure_tiny_model
 
     tok = ensure_tiny_model(weights=False)
     port = free_port()
-    router = spawn([sys.executable, "-m", "router", "--port", str(port), "--model",
+    router = spawn([sys.executable, "-m", "pdgate.router", "--port", str(port), "--model",
                     "pdgate-tiny", "--tokenizer", str(tok), "--prefill",
                     f"http://127.0.0.1:{engines[0]}", "--decode",
                     f"http://127.0.0.1:{engines[1]}", "--log-level", "error", *router_flags],

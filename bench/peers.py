@@ -293,10 +293,10 @@ def load(port: int, body: str, conns: int, duration: float, cpus: str | None) ->
 # ---------------------------------------------------------------- routers
 
 def pdgate_argv(port: int, p: int, d: int, workers: int) -> list[str]:
-    from engine_shim.tiny import ensure_tiny_model
+    from pdgate.engine_shim.tiny import ensure_tiny_model
 
     tok = ensure_tiny_model(weights=False)
-    return [sys.executable, "-m", "router", "--port", str(port), "--model", "pdgate-tiny",
+    return [sys.executable, "-m", "pdgate.router", "--port", str(port), "--model", "pdgate-tiny",
             "--tokenizer", str(tok), "--max-model-len", "1000000",
             "--prefill", f"http://127.0.0.1:{p}", "--decode", f"http://127.0.0.1:{d}",
             "--prefill-policy", "round-robin", "--decode-policy", "round-robin",

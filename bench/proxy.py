@@ -56,8 +56,8 @@ sys.path.insert(0, str(ROOT))
 import msgspec  # noqa: E402
 import zmq  # noqa: E402
 
-from proxy import KVReady, NotifySender, NotifyServer, ProxyConfig, ProxyError  # noqa: E402
-from proxy.wire import PROTOCOL_VERSION, sign  # noqa: E402
+from pdgate.proxy import KVReady, NotifySender, NotifyServer, ProxyConfig, ProxyError  # noqa: E402
+from pdgate.proxy.wire import PROTOCOL_VERSION, sign  # noqa: E402
 
 SECRET = "bench-secret-0123456789"
 # Proxies from before wire v2 have no tokens: the junk-flood phase then runs without them.

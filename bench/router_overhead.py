@@ -128,11 +128,12 @@ def throughput(port: int, conns: int, duration: float) -> float:
 
 def start_router(p_port: int, d_port: int, cpus: str | None,
                  extra: list[str] | None = None) -> tuple[subprocess.Popen[bytes], int]:
-    from engine_shim.tiny import ensure_tiny_model
+    from pdgate.engine_shim.tiny import ensure_tiny_model
 
     tok = ensure_tiny_model(weights=False)
     port = free_port()
-    proc = spawn([sys.executable, "-m", "router", "--port", str(port), "--model", "pdgate-tiny",
+    proc = spawn([sys.executable, "-m", "pdgate.router", "--port", str(port),
+                  "--model", "pdgate-tiny",
                   "--tokenizer", str(tok), "--prefill", f"http://127.0.0.1:{p_port}",
                   "--decode", f"http://127.0.0.1:{d_port}", "--log-level", "warning",
                   *(extra or [])], cpus)

@@ -45,18 +45,18 @@ import uvicorn  # noqa: E402
 from aiohttp import web  # noqa: E402
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from engine_shim.kv_events import KVEventPublisher  # noqa: E402
-from engine_shim.metrics import ShimMetrics  # noqa: E402
-from engine_shim.prefix_cache import (  # noqa: E402
+from pdgate.engine_shim.kv_events import KVEventPublisher  # noqa: E402
+from pdgate.engine_shim.metrics import ShimMetrics  # noqa: E402
+from pdgate.engine_shim.prefix_cache import (  # noqa: E402
     BlockRemovedEvent,
     BlockStoredEvent,
     CacheEvent,
     block_hashes,
 )
-from engine_shim.tiny import ensure_tiny_model  # noqa: E402
-from router.app import create_app  # noqa: E402
-from router.config import RouterConfig  # noqa: E402
-from router.tokenization import load_tokenizer  # noqa: E402
+from pdgate.engine_shim.tiny import ensure_tiny_model  # noqa: E402
+from pdgate.router.app import create_app  # noqa: E402
+from pdgate.router.config import RouterConfig  # noqa: E402
+from pdgate.router.tokenization import load_tokenizer  # noqa: E402
 
 BS = 16
 POLICIES = ["round-robin", "least-inflight", "power-of-two", "session", "prefix-aware",

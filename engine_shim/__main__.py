@@ -1,10 +1,10 @@
-"""`python -m engine_shim [flags]`: run one engine shim (see `engine_shim.cli`)."""
+"""`python -m pdgate.engine_shim [flags]`: run one engine shim (see `engine_shim.cli`)."""
 
 from __future__ import annotations
 
 import sys
 
-from engine_shim.cli import main
+from pdgate.engine_shim.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine_shim.openai_types import error_body
+from pdgate.engine_shim.openai_types import error_body
 
 __all__ = ["EngineAuth", "bearer_matches"]
 

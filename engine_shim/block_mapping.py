@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
-from engine_shim.kv_layout import KVLayout
+from pdgate.engine_shim.kv_layout import KVLayout
 
 __all__ = ["SlotRun", "region_pairs", "slot_runs", "split_at_blocks"]
 

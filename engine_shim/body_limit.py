@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine_shim.openai_types import error_body
+from pdgate.engine_shim.openai_types import error_body
 
 __all__ = ["DEFAULT_MAX_BODY_BYTES", "BodyLimit"]
 

@@ -1,4 +1,4 @@
-"""`pdgate shim` / `python -m engine_shim`: one engine process (model + paged KV + NIXL + HTTP).
+"""`pdgate shim` / `python -m pdgate.engine_shim`: one engine process (model, paged KV, NIXL, HTTP).
 
 `build_parser()` declares every flag (docs/cli.md is generated from it);
 `main(argv)` loads the model, wires the KV connector and serves with uvicorn until SIGINT or
@@ -17,17 +17,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import FrameType
 
-from engine_shim import credentials
-from engine_shim.body_limit import DEFAULT_MAX_BODY_BYTES
-from engine_shim.engine import Engine, EngineConfig
-from engine_shim.kv_layout import LAYOUTS
-from engine_shim.logs import LOG_FORMATS, RequestIdMiddleware, setup_logging
-from engine_shim.metrics import ShimMetrics
-from engine_shim.server import ConnectorFactory, ManagedConnector, ServerSettings, create_app
-from engine_shim.tracing import open_tracing, traced
-from proxy.tracing import TracingUnavailable
+from pdgate.engine_shim import credentials
+from pdgate.engine_shim.body_limit import DEFAULT_MAX_BODY_BYTES
+from pdgate.engine_shim.engine import Engine, EngineConfig
+from pdgate.engine_shim.kv_layout import LAYOUTS
+from pdgate.engine_shim.logs import LOG_FORMATS, RequestIdMiddleware, setup_logging
+from pdgate.engine_shim.metrics import ShimMetrics
+from pdgate.engine_shim.server import ConnectorFactory, ManagedConnector, ServerSettings, create_app
+from pdgate.engine_shim.tracing import open_tracing, traced
+from pdgate.proxy.tracing import TracingUnavailable
 
-log = logging.getLogger("engine_shim")
+log = logging.getLogger("pdgate.engine_shim")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -195,7 +195,7 @@ def nixl_connector_factory(settings: ConnectorSettings) -> ConnectorFactory:
     only then, so `--help` and colocated tests do not load nixl."""
 
     def build(engine: Engine) -> ManagedConnector:
-        from engine_shim.connector import KVConnector
+        from pdgate.engine_shim.connector import KVConnector
 
         connector: ManagedConnector = KVConnector(
             engine_id=settings.engine_id,

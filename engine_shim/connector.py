@@ -33,15 +33,15 @@ from collections.abc import Callable, Coroutine, Mapping
 from concurrent.futures import Future, InvalidStateError
 from typing import Any, Protocol, TypeVar
 
-from engine_shim.agent_thread import AgentThread, AgentThreadStopped
-from engine_shim.kv_layout import KVLayout
-from engine_shim.kv_params import PullParams, hold_params, parse_pull_params
-from engine_shim.kv_reader import Peer, mem_type
-from engine_shim.kv_writer import BlockTransfer
-from engine_shim.leases import Lease, LeaseTable
-from engine_shim.metrics import ShimMetrics
-from engine_shim.nixl_agent import NixlAgent
-from engine_shim.notices import (
+from pdgate.engine_shim.agent_thread import AgentThread, AgentThreadStopped
+from pdgate.engine_shim.kv_layout import KVLayout
+from pdgate.engine_shim.kv_params import PullParams, hold_params, parse_pull_params
+from pdgate.engine_shim.kv_reader import Peer, mem_type
+from pdgate.engine_shim.kv_writer import BlockTransfer
+from pdgate.engine_shim.leases import Lease, LeaseTable
+from pdgate.engine_shim.metrics import ShimMetrics
+from pdgate.engine_shim.nixl_agent import NixlAgent
+from pdgate.engine_shim.notices import (
     Failed,
     Landed,
     Notice,
@@ -53,29 +53,29 @@ from engine_shim.notices import (
     encode_notice,
     failed,
 )
-from engine_shim.push import (
+from pdgate.engine_shim.push import (
     Match,
     PendingPushes,
     Refusal,
     WriteTarget,
     notify_target,
 )
-from engine_shim.side_channel import (
+from pdgate.engine_shim.side_channel import (
     HandshakePayload,
     SideChannelServer,
     compat_hash,
     fetch_handshake,
     validate_peer,
 )
-from engine_shim.transfer_errors import (
+from pdgate.engine_shim.transfer_errors import (
     KVConnectorError,
     KVHandshakeError,
     KVTransferError,
     NixlAgentError,
 )
-from engine_shim.transport_probe import probe_transport
-from proxy import KVReady, NotifySender
-from proxy.kv_contract import NotifyPrefillParams, PushDecodeParams, PushPrefillParams
+from pdgate.engine_shim.transport_probe import probe_transport
+from pdgate.proxy import KVReady, NotifySender
+from pdgate.proxy.kv_contract import NotifyPrefillParams, PushDecodeParams, PushPrefillParams
 
 __all__ = ["KVConnector", "KVConnectorError", "KVHandshakeError", "KVTransferError", "KVMemory"]
 

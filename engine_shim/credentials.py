@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from proxy.secret_files import SecretFileError, read_secret_file
+from pdgate.proxy.secret_files import SecretFileError, read_secret_file
 
 __all__ = [
     "API_KEY_ENV",

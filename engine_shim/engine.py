@@ -35,16 +35,16 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from engine_shim.kv_cache import BlockPool, PagedKVCache
-from engine_shim.kv_events import KVEventPublisher
-from engine_shim.kv_layout import LAYOUT_NAME
-from engine_shim.metrics import ShimMetrics
-from engine_shim.model import LlamaModel
-from engine_shim.prefix_cache import PrefixCache
-from engine_shim.reservations import Reservation, Reservations
-from engine_shim.sampler import SamplingParams
-from engine_shim.scheduler import Scheduler
-from engine_shim.sequence import (
+from pdgate.engine_shim.kv_cache import BlockPool, PagedKVCache
+from pdgate.engine_shim.kv_events import KVEventPublisher
+from pdgate.engine_shim.kv_layout import LAYOUT_NAME
+from pdgate.engine_shim.metrics import ShimMetrics
+from pdgate.engine_shim.model import LlamaModel
+from pdgate.engine_shim.prefix_cache import PrefixCache
+from pdgate.engine_shim.reservations import Reservation, Reservations
+from pdgate.engine_shim.sampler import SamplingParams
+from pdgate.engine_shim.scheduler import Scheduler
+from pdgate.engine_shim.sequence import (
     EngineError,
     EngineStopped,
     GenerateRequest,
@@ -56,10 +56,10 @@ from engine_shim.sequence import (
     Sequence,
     StepOutput,
 )
-from engine_shim.staging import HostStaging, create_staging
-from engine_shim.tracing import annotate, record_span, span
-from engine_shim.transfer_errors import KVConnectorError, KVTransferError
-from proxy.kv_contract import (
+from pdgate.engine_shim.staging import HostStaging, create_staging
+from pdgate.engine_shim.tracing import annotate, record_span, span
+from pdgate.engine_shim.transfer_errors import KVConnectorError, KVTransferError
+from pdgate.proxy.kv_contract import (
     NotifyDecodeParams,
     NotifyPrefillParams,
     PushDecodeParams,
@@ -235,7 +235,7 @@ class Engine:
         """Load weights and tokenizer (blocking; call before the server starts)."""
         from transformers import AutoTokenizer
 
-        from engine_shim.tiny import ensure_tiny_model
+        from pdgate.engine_shim.tiny import ensure_tiny_model
 
         model_dir = ensure_tiny_model() if config.model == "tiny" else Path(config.model)
         dtype = config.dtype or ("float32" if config.device == "cpu" else None)
@@ -245,7 +245,7 @@ class Engine:
 
     @property
     def served_model_names(self) -> tuple[str, ...]:
-        from engine_shim.tiny import TINY_MODEL_NAME
+        from pdgate.engine_shim.tiny import TINY_MODEL_NAME
 
         if self.config.served_model_names:
             return self.config.served_model_names

@@ -14,8 +14,8 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
-from engine_shim.kv_layout import KVLayout
-from engine_shim.prefix_cache import CacheEvent, PrefixCache
+from pdgate.engine_shim.kv_layout import KVLayout
+from pdgate.engine_shim.prefix_cache import CacheEvent, PrefixCache
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from engine_shim.metrics import ShimMetrics
-from engine_shim.prefix_cache import BlockStoredEvent, CacheEvent
+from pdgate.engine_shim.metrics import ShimMetrics
+from pdgate.engine_shim.prefix_cache import BlockStoredEvent, CacheEvent
 
 __all__ = ["AllBlocksCleared", "BlockRemoved", "BlockStored", "KVEventBatch",
            "KVEventPublisher", "to_wire"]

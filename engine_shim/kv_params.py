@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from engine_shim.transfer_errors import KVTransferError
+from pdgate.engine_shim.transfer_errors import KVTransferError
 
 
 def _bad(message: str) -> KVTransferError:

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
-from engine_shim.kv_layout import KVLayout, region_list
-from engine_shim.nixl_agent import MemType, NixlAgent, PreppedList, Xfer
-from engine_shim.side_channel import HandshakePayload
-from engine_shim.transfer_errors import KVTransferError, NixlAgentError
+from pdgate.engine_shim.kv_layout import KVLayout, region_list
+from pdgate.engine_shim.nixl_agent import MemType, NixlAgent, PreppedList, Xfer
+from pdgate.engine_shim.side_channel import HandshakePayload
+from pdgate.engine_shim.transfer_errors import KVTransferError, NixlAgentError
 
 log = logging.getLogger(__name__)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 
-from engine_shim.block_mapping import region_pairs, slot_runs
-from engine_shim.kv_reader import BlockReader, Peer, block_indices, mem_type
-from engine_shim.nixl_agent import XferOp
-from engine_shim.transfer_errors import KVTransferError
+from pdgate.engine_shim.block_mapping import region_pairs, slot_runs
+from pdgate.engine_shim.kv_reader import BlockReader, Peer, block_indices, mem_type
+from pdgate.engine_shim.nixl_agent import XferOp
+from pdgate.engine_shim.transfer_errors import KVTransferError
 
 log = logging.getLogger(__name__)
 

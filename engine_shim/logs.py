@@ -14,7 +14,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from proxy.log_format import LOG_FORMATS, configure_logging
+from pdgate.proxy.log_format import LOG_FORMATS, configure_logging
 
 __all__ = ["LOG_FORMATS", "RequestIdMiddleware", "current_request_id", "setup_logging"]
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from proxy.metrics import NoCreatedRegistry
+from pdgate.proxy.metrics import NoCreatedRegistry
 
 _P = "pdgate_shim_"
 

@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine_shim.kv_cache import TORCH_DTYPES, PagedKVCache
-from engine_shim.kv_layout import LAYOUT_NAME, KVLayout
-from engine_shim.model_config import ModelConfig
-from engine_shim.weights import load_weights
+from pdgate.engine_shim.kv_cache import TORCH_DTYPES, PagedKVCache
+from pdgate.engine_shim.kv_layout import LAYOUT_NAME, KVLayout
+from pdgate.engine_shim.model_config import ModelConfig
+from pdgate.engine_shim.weights import load_weights
 
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 

@@ -23,7 +23,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import numpy.typing as npt
 
-from engine_shim.transfer_errors import NixlAgentError
+from pdgate.engine_shim.transfer_errors import NixlAgentError
 
 XferOp = Literal["READ", "WRITE"]
 XferState = Literal["DONE", "PROC", "ERR"]

@@ -16,9 +16,9 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from engine_shim.sampler import SamplingParams
-from engine_shim.sequence import StepOutput
-from proxy.kv_contract import (
+from pdgate.engine_shim.sampler import SamplingParams
+from pdgate.engine_shim.sequence import StepOutput
+from pdgate.proxy.kv_contract import (
     Continuation,
     KVParamsError,
     PdgateLeg,

@@ -34,9 +34,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine_shim.notices import Registration
-from engine_shim.transfer_errors import KVTransferError
-from proxy.kv_contract import NotifyPrefillParams, PushPrefillParams
+from pdgate.engine_shim.notices import Registration
+from pdgate.engine_shim.transfer_errors import KVTransferError
+from pdgate.proxy.kv_contract import NotifyPrefillParams, PushPrefillParams
 
 
 @dataclass(frozen=True)

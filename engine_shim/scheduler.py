@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch
 
-from engine_shim.kv_cache import BlockPool, OutOfBlocks, PagedKVCache
-from engine_shim.metrics import ShimMetrics
-from engine_shim.model import LlamaModel
-from engine_shim.prefix_cache import block_hashes
-from engine_shim.sequence import EngineError, EngineStopped, Sequence, StepOutput
+from pdgate.engine_shim.kv_cache import BlockPool, OutOfBlocks, PagedKVCache
+from pdgate.engine_shim.metrics import ShimMetrics
+from pdgate.engine_shim.model import LlamaModel
+from pdgate.engine_shim.prefix_cache import block_hashes
+from pdgate.engine_shim.sequence import EngineError, EngineStopped, Sequence, StepOutput
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from engine_shim.sampler import Sampler, SamplingParams
-from proxy.kv_contract import PdgateLeg
+from pdgate.engine_shim.sampler import Sampler, SamplingParams
+from pdgate.proxy.kv_contract import PdgateLeg
 
 # Prompt tokens decoded together with the first output tokens, so tokenizers that drop a
 # word's leading space when it starts a decode (SentencePiece) render output text correctly.

@@ -34,12 +34,12 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import Receive, Scope, Send
 
-from engine_shim import openai_types as ot
-from engine_shim.auth import EngineAuth
-from engine_shim.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
-from engine_shim.engine import Engine, EngineError, KVTransfer, RequestStream
-from engine_shim.sequence import GenerateRequest, KVRole, StepOutput
-from proxy.kv_contract import PushDecodeParams
+from pdgate.engine_shim import openai_types as ot
+from pdgate.engine_shim.auth import EngineAuth
+from pdgate.engine_shim.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from pdgate.engine_shim.engine import Engine, EngineError, KVTransfer, RequestStream
+from pdgate.engine_shim.sequence import GenerateRequest, KVRole, StepOutput
+from pdgate.proxy.kv_contract import PushDecodeParams
 
 log = logging.getLogger(__name__)
 

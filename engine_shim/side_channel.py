@@ -35,8 +35,8 @@ from contextlib import contextmanager
 import msgspec
 import zmq
 
-from engine_shim.kv_layout import KVLayout
-from engine_shim.transfer_errors import KVConnectorError, KVHandshakeError
+from pdgate.engine_shim.kv_layout import KVLayout
+from pdgate.engine_shim.transfer_errors import KVConnectorError, KVHandshakeError
 
 SIDE_CHANNEL_VERSION = 3
 MAX_REQUEST_BYTES = 4096  # a HandshakeRequest is a version and an engine id: ~50 bytes

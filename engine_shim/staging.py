@@ -27,8 +27,8 @@ from collections.abc import Sequence
 import torch
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from engine_shim.kv_cache import PagedKVCache
-from engine_shim.kv_layout import KVLayout
+from pdgate.engine_shim.kv_cache import PagedKVCache
+from pdgate.engine_shim.kv_layout import KVLayout
 
 __all__ = ["BUFFER_DEVICES", "HostStaging", "block_runs", "create_staging"]
 

@@ -16,8 +16,14 @@ from typing import Any
 
 from starlette.types import ASGIApp
 
-from engine_shim.logs import current_request_id
-from proxy.tracing import Tracing, TracingMiddleware, record_span, request_span, tracing_requested
+from pdgate.engine_shim.logs import current_request_id
+from pdgate.proxy.tracing import (
+    Tracing,
+    TracingMiddleware,
+    record_span,
+    request_span,
+    tracing_requested,
+)
 
 __all__ = ["annotate", "open_tracing", "record_span", "span", "traced"]
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine_shim.metrics import ShimMetrics
-from engine_shim.nixl_agent import MemType, NixlAgent, Xfer, XferOp
+from pdgate.engine_shim.metrics import ShimMetrics
+from pdgate.engine_shim.nixl_agent import MemType, NixlAgent, Xfer, XferOp
 
 log = logging.getLogger(__name__)
 

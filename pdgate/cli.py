@@ -23,18 +23,47 @@ Run `pdgate <subcommand> --help` for the options of each.
 
 
 def _router_main(argv: list[str]) -> int:
-    from router.cli import main
+    from pdgate.router.cli import main
 
     return main(argv)
 
 
+# The engine needs these; the router's install leaves them out (the `shim` extra).
+SHIM_MODULES = ("torch", "nixl", "safetensors", "numpy")
+
+
+def missing_shim_modules() -> list[str]:
+    from importlib.util import find_spec
+
+    return [name for name in SHIM_MODULES if find_spec(name) is None]
+
+
+def _shim_extra_missing(command: str) -> int | None:
+    """Exit status 2 with the install line when the `shim` extra is absent, else None."""
+    missing = missing_shim_modules()
+    if not missing:
+        return None
+    print(f"pdgate {command}: the engine shim needs the `shim` extra, which is not installed "
+          f"(missing: {', '.join(missing)}).\n"
+          "Install it with: pip install 'pdgate[shim]' "
+          "(CPU torch first: pip install torch --index-url https://download.pytorch.org/whl/cpu)",
+          file=sys.stderr)
+    return 2
+
+
 def _shim_main(argv: list[str]) -> int:
-    from engine_shim.cli import main
+    refused = _shim_extra_missing("shim")
+    if refused is not None:
+        return refused
+    from pdgate.engine_shim.cli import main
 
     return main(argv)
 
 
 def _up_main(argv: list[str]) -> int:
+    refused = _shim_extra_missing("up")
+    if refused is not None:
+        return refused
     from pdgate.up import main
 
     return main(argv)

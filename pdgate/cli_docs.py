@@ -15,13 +15,13 @@ BEGIN, END = "<!-- cli:begin -->", "<!-- cli:end -->"
 
 
 def _parsers() -> list[tuple[str, argparse.ArgumentParser]]:
-    from engine_shim.cli import build_parser as shim_parser
+    from pdgate.engine_shim.cli import build_parser as shim_parser
+    from pdgate.proxy.cli import build_parser as proxy_parser
+    from pdgate.router.cli import build_parser as router_parser
     from pdgate.up import build_parser as up_parser
-    from proxy.cli import build_parser as proxy_parser
-    from router.cli import build_parser as router_parser
 
     return [("pdgate up", up_parser()), ("pdgate router", router_parser()),
-            ("pdgate shim", shim_parser()), ("python -m proxy", proxy_parser())]
+            ("pdgate shim", shim_parser()), ("python -m pdgate.proxy", proxy_parser())]
 
 
 def _row(action: argparse.Action) -> str:

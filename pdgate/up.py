@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _engine_argv(args: argparse.Namespace, model: str, name: str, i: int) -> list[str]:
     argv = [
-        sys.executable, "-m", "engine_shim",
+        sys.executable, "-m", "pdgate.engine_shim",
         "--model", model, "--served-model-name", _served_name(args),
         "--host", args.host, "--port", str(args.engine_port_base + i),
         "--device", args.device, "--block-size", str(args.block_size),
@@ -164,7 +164,7 @@ def _engine_argv(args: argparse.Namespace, model: str, name: str, i: int) -> lis
 
 def _router_argv(args: argparse.Namespace, model_dir: str, engines: list[Child]) -> list[str]:
     argv = [
-        sys.executable, "-m", "router", "--host", args.host, "--port", str(args.port),
+        sys.executable, "-m", "pdgate.router", "--host", args.host, "--port", str(args.port),
         "--model", model_dir, "--served-model-name", _served_name(args),
         "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy,
         "--pd-mode", args.pd_mode, "--log-format", args.log_format,
@@ -182,7 +182,7 @@ def _router_argv(args: argparse.Namespace, model_dir: str, engines: list[Child])
 
 def _served_name(args: argparse.Namespace) -> str:
     if args.model == "tiny":
-        from engine_shim.tiny import TINY_MODEL_NAME
+        from pdgate.engine_shim.tiny import TINY_MODEL_NAME
 
         return TINY_MODEL_NAME
     return Path(args.model).name
@@ -192,7 +192,7 @@ def _resolve_model(args: argparse.Namespace) -> str:
     if args.model != "tiny":
         return str(Path(args.model).resolve())
     # Built once here so the engines and the router do not race to build it.
-    from engine_shim.tiny import ensure_tiny_model
+    from pdgate.engine_shim.tiny import ensure_tiny_model
 
     return str(ensure_tiny_model())
 

@@ -30,19 +30,19 @@ Imports nothing from router or engine_shim.
 
 from __future__ import annotations
 
-from proxy.config import ProxyConfig
-from proxy.errors import (
+from pdgate.proxy.config import ProxyConfig
+from pdgate.proxy.errors import (
     KVReadyTimeout,
     KVTransferFailed,
     ProxyError,
     WaitCancelled,
     WaiterLimitExceeded,
 )
-from proxy.metrics import ProxyMetrics
-from proxy.sender import NotifySender
-from proxy.server import NotifyServer
-from proxy.waiters import WaiterTable
-from proxy.wire import (
+from pdgate.proxy.metrics import ProxyMetrics
+from pdgate.proxy.sender import NotifySender
+from pdgate.proxy.server import NotifyServer
+from pdgate.proxy.waiters import WaiterTable
+from pdgate.proxy.wire import (
     PROTOCOL_VERSION,
     FrameDecoder,
     Heartbeat,

@@ -1,7 +1,7 @@
-"""``python -m proxy``: the standalone KV-ready proxy (see proxy.cli)."""
+"""``python -m pdgate.proxy``: the standalone KV-ready proxy (see proxy.cli)."""
 
 from __future__ import annotations
 
-from proxy.cli import main
+from pdgate.proxy.cli import main
 
 raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Standalone proxy: ``python -m proxy --bind tcp://0.0.0.0:7500 ...``.
+"""Standalone proxy: ``python -m pdgate.proxy --bind tcp://0.0.0.0:7500 ...``.
 
 Useful for tests, benchmarks and to watch what engines send; in production the router runs
 the same `NotifyServer` inside its own process. The bound endpoint is printed on stdout as
@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 from prometheus_client import start_http_server
 
-from proxy.config import ProxyConfig
-from proxy.metrics import ProxyMetrics
-from proxy.server import NotifyServer
+from pdgate.proxy.config import ProxyConfig
+from pdgate.proxy.metrics import ProxyMetrics
+from pdgate.proxy.server import NotifyServer
 
 SECRET_ENV = "PDGATE_NOTIFY_SECRET"
 
@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The standalone proxy's argument parser (also used to render the CLI docs)."""
     d = ProxyConfig()
     p = argparse.ArgumentParser(
-        prog="python -m proxy", description="pdgate KV-ready notification proxy (ZMQ PULL).",
+        prog="python -m pdgate.proxy", description="pdgate KV-ready notification proxy (ZMQ PULL).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--bind", default=d.bind,
@@ -86,7 +86,7 @@ async def serve(config: ProxyConfig, metrics: ProxyMetrics) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m proxy``; returns the exit status."""
+    """Entry point of ``python -m pdgate.proxy``; returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, stream=sys.stderr,

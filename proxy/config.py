@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from proxy.wire import MAX_FRAME_BYTES
+from pdgate.proxy.wire import MAX_FRAME_BYTES
 
 
 class ProxyConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):

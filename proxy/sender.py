@@ -14,7 +14,7 @@ from types import TracebackType
 
 import zmq
 
-from proxy.wire import Message, to_frames
+from pdgate.proxy.wire import Message, to_frames
 
 
 class NotifySender:

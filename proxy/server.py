@@ -1,7 +1,7 @@
 """`NotifyServer`: the zmq PULL socket that feeds KV-ready messages to the waiters.
 
 Runs inside its owner's event loop: the router's lifespan (``async with NotifyServer(...)``)
-or the standalone ``python -m proxy``. No HTTP, no engine logic.
+or the standalone ``python -m pdgate.proxy``. No HTTP, no engine logic.
 
 Anyone who can reach the port can send frames, so the receive loop is built to stay useful
 under a flood of junk. zmq's PULL socket fair-queues between connected peers, one message
@@ -29,11 +29,11 @@ from types import TracebackType
 import zmq
 import zmq.asyncio
 
-from proxy.config import ProxyConfig
-from proxy.memory import heap_trimmer
-from proxy.metrics import ProxyMetrics
-from proxy.waiters import WaiterTable
-from proxy.wire import KIND_UNKNOWN, FrameDecoder, KVReady, WireError
+from pdgate.proxy.config import ProxyConfig
+from pdgate.proxy.memory import heap_trimmer
+from pdgate.proxy.metrics import ProxyMetrics
+from pdgate.proxy.waiters import WaiterTable
+from pdgate.proxy.wire import KIND_UNKNOWN, FrameDecoder, KVReady, WireError
 
 log = logging.getLogger(__name__)
 

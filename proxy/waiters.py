@@ -48,9 +48,9 @@ from typing import Literal
 
 import msgspec
 
-from proxy.errors import KVReadyTimeout, KVTransferFailed, WaitCancelled, WaiterLimitExceeded
-from proxy.metrics import ProxyMetrics, RejectReason
-from proxy.wire import MAX_TOKEN_LENGTH, KVReady
+from pdgate.proxy.errors import KVReadyTimeout, KVTransferFailed, WaitCancelled, WaiterLimitExceeded
+from pdgate.proxy.metrics import ProxyMetrics, RejectReason
+from pdgate.proxy.wire import MAX_TOKEN_LENGTH, KVReady
 
 NotifyResult = Literal["delivered", "early", "token_mismatch", "replay", "unknown_waiter"]
 

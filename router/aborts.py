@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
-from router.engines import EngineClient
-from router.metrics import RouterMetrics
+from pdgate.router.engines import EngineClient
+from pdgate.router.metrics import RouterMetrics
 
 __all__ = ["Aborter"]
 

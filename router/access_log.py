@@ -20,12 +20,12 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from router import request_context
-from router.request_context import RequestRecord
+from pdgate.router import request_context
+from pdgate.router.request_context import RequestRecord
 
 __all__ = ["AccessLogMiddleware"]
 
-log = logging.getLogger("router.access")
+log = logging.getLogger("pdgate.router.access")
 _QUIET = frozenset({"/health", "/ready", "/metrics", "/dashboard/state"})
 _ENGINE_HEADERS = {b"x-pdgate-prefill-engine": "prefill", b"x-pdgate-decode-engine": "decode"}
 

@@ -25,11 +25,11 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from router.api import StateHolder, error_response
-from router.client_deadlines import read_body_within
-from router.config import RouterConfig, engine_url_problem
-from router.errors import InvalidRequest, RouterError
-from router.pool import Endpoint
+from pdgate.router.api import StateHolder, error_response
+from pdgate.router.client_deadlines import read_body_within
+from pdgate.router.config import RouterConfig, engine_url_problem
+from pdgate.router.errors import InvalidRequest, RouterError
+from pdgate.router.pool import Endpoint
 
 __all__ = ["check_engine_url", "endpoint_info", "install_admin_routes", "redacted_config"]
 

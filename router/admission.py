@@ -18,7 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from router.errors import Overloaded
+from pdgate.router.errors import Overloaded
 
 __all__ = ["Admission", "Slot"]
 

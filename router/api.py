@@ -25,23 +25,23 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from router import request_context
-from router.admission import Admission
-from router.client_deadlines import SlowReader, WriteDeadlineSend, read_body_within
-from router.config import RouterConfig
-from router.errors import (
+from pdgate.router import request_context
+from pdgate.router.admission import Admission
+from pdgate.router.client_deadlines import SlowReader, WriteDeadlineSend, read_body_within
+from pdgate.router.config import RouterConfig
+from pdgate.router.errors import (
     InvalidRequest,
     ModelNotFound,
     Overloaded,
     RouterError,
     error_json,
 )
-from router.limits import InputLimits
-from router.metrics import RouterMetrics
-from router.orchestrator import Orchestrator, StreamResult
-from router.pool import EndpointPool
-from router.request_ids import client_request_id, new_internal_id
-from router.schema import ClientRequest, classify_prompt, parse_chat, parse_completion
+from pdgate.router.limits import InputLimits
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.orchestrator import Orchestrator, StreamResult
+from pdgate.router.pool import EndpointPool
+from pdgate.router.request_ids import client_request_id, new_internal_id
+from pdgate.router.schema import ClientRequest, classify_prompt, parse_chat, parse_completion
 
 __all__ = ["RouterState", "StateHolder", "install_error_handlers", "install_routes"]
 

@@ -19,28 +19,28 @@ import anyio.to_thread
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from router.aborts import Aborter
-from router.access_log import AccessLogMiddleware
-from router.admin import install_admin_routes
-from router.admission import Admission
-from router.api import RouterState, StateHolder, install_error_handlers, install_routes
-from router.auth import AuthMiddleware
-from router.config import RouterConfig, validate_config
-from router.dashboard import install_dashboard
-from router.discovery import KubernetesDiscovery
-from router.engines import EngineClient
-from router.errors import RouterError
-from router.flows.base import FlowParts
-from router.flows.setup import open_flows
-from router.health import HealthSettings
-from router.limits import InputLimits
-from router.metrics import RouterMetrics
-from router.orchestrator import Orchestrator
-from router.policies import POLICY_NAMES
-from router.policies.setup import check_routing, open_routing
-from router.pool import Endpoint, EndpointPool
-from router.tokenization import PromptTokenizer, load_tokenizer
-from router.tracing import UNTRACED, TracingMiddleware, TracingSlot, finish_span
+from pdgate.router.aborts import Aborter
+from pdgate.router.access_log import AccessLogMiddleware
+from pdgate.router.admin import install_admin_routes
+from pdgate.router.admission import Admission
+from pdgate.router.api import RouterState, StateHolder, install_error_handlers, install_routes
+from pdgate.router.auth import AuthMiddleware
+from pdgate.router.config import RouterConfig, validate_config
+from pdgate.router.dashboard import install_dashboard
+from pdgate.router.discovery import KubernetesDiscovery
+from pdgate.router.engines import EngineClient
+from pdgate.router.errors import RouterError
+from pdgate.router.flows.base import FlowParts
+from pdgate.router.flows.setup import open_flows
+from pdgate.router.health import HealthSettings
+from pdgate.router.limits import InputLimits
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.orchestrator import Orchestrator
+from pdgate.router.policies import POLICY_NAMES
+from pdgate.router.policies.setup import check_routing, open_routing
+from pdgate.router.pool import Endpoint, EndpointPool
+from pdgate.router.tokenization import PromptTokenizer, load_tokenizer
+from pdgate.router.tracing import UNTRACED, TracingMiddleware, TracingSlot, finish_span
 
 __all__ = ["create_app"]
 

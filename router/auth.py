@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.errors import Unauthorized, error_json
+from pdgate.router.errors import Unauthorized, error_json
 
 __all__ = ["AuthMiddleware", "any_key_matches", "bearer_matches"]
 

@@ -1,4 +1,4 @@
-"""Command line for the router: `python -m router` and `pdgate router`.
+"""Command line for the router: `python -m pdgate.router` and `pdgate router`.
 
 Every flag sets the `RouterConfig` field of the same name (dashes for underscores).
 Precedence, later wins: defaults < `--config` YAML < `PDGATE_*` environment variables
@@ -17,9 +17,9 @@ from typing import Any
 
 import msgspec
 
-from router.config import ConfigError, RouterConfig, load_config
-from router.logs import setup_logging
-from router.settings_env import env_overrides
+from pdgate.router.config import ConfigError, RouterConfig, load_config
+from pdgate.router.logs import setup_logging
+from pdgate.router.settings_env import env_overrides
 
 __all__ = ["build_parser", "main"]
 
@@ -201,14 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     """Run the router until SIGINT/SIGTERM. Returns the process exit status."""
     try:
         config = config_from_args(argv)
-        from router.app import create_app  # after parsing: --help stays fast
+        from pdgate.router.app import create_app  # after parsing: --help stays fast
 
         app = create_app(config)  # validates every setting before anything is served
     except ConfigError as exc:
         print(f"pdgate router: error: {exc}", file=sys.stderr)
         return 2
     if config.workers > 1:
-        from router.workers import run_workers
+        from pdgate.router.workers import run_workers
 
         _setup_logging(config)
         return run_workers(config)  # each worker builds its own app
@@ -227,8 +227,8 @@ def serve(config: RouterConfig, *, app: Any = None, sock: socket.socket | None =
     app already built for `config` (default: build it here)."""
     import uvicorn
 
-    from router.app import create_app
-    from router.client_deadlines import header_deadline_protocol
+    from pdgate.router.app import create_app
+    from pdgate.router.client_deadlines import header_deadline_protocol
 
     _setup_logging(config)
     if app is None:

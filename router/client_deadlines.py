@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.types import Message, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from router.errors import PayloadTooLarge, RequestTimeout
+from pdgate.router.errors import PayloadTooLarge, RequestTimeout
 
 __all__ = ["SlowReader", "WriteDeadlineSend", "header_deadline_protocol", "read_body_within"]
 

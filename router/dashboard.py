@@ -25,12 +25,12 @@ from prometheus_client import Counter, Gauge, Histogram
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
-from router import __version__
-from router.api import RouterState, StateHolder
-from router.dashboard_page import PAGE
-from router.health import BreakerState
-from router.metrics import RouterMetrics
-from router.pool import Endpoint, EndpointPool
+from pdgate.router import __version__
+from pdgate.router.api import RouterState, StateHolder
+from pdgate.router.dashboard_page import PAGE
+from pdgate.router.health import BreakerState
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.pool import Endpoint, EndpointPool
 
 __all__ = ["Dashboard", "EngineState", "History", "HistogramWindow", "RatePoint", "TTFTState",
            "install_dashboard"]

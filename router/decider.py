@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.schema import ClientRequest
+from pdgate.router.schema import ClientRequest
 
 __all__ = ["Decider", "Decision", "DecodePrefixLookup", "PrefixDecider", "decide"]
 

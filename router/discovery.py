@@ -32,8 +32,8 @@ from pathlib import Path
 import aiohttp
 import msgspec
 
-from router.config import ConfigError, RouterConfig
-from router.pool import EndpointPool, Role
+from pdgate.router.config import ConfigError, RouterConfig
+from pdgate.router.pool import EndpointPool, Role
 
 __all__ = ["ApiServer", "KubernetesDiscovery", "PodWatcher", "WatchSpec", "pod_url"]
 

@@ -39,8 +39,8 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from router.config import RouterConfig
-from router.errors import (
+from pdgate.router.config import RouterConfig
+from pdgate.router.errors import (
     EngineError,
     EngineMisconfigured,
     EngineProtocolError,
@@ -50,7 +50,7 @@ from router.errors import (
     EngineUnavailable,
     RouterError,
 )
-from router.sse import EventChecker, SSELineTooLong, SSEProtocolError
+from pdgate.router.sse import EventChecker, SSELineTooLong, SSEProtocolError
 
 __all__ = [
     "EngineClient",

@@ -32,7 +32,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from router.prefix_index import ROOT_HASH, PrefixIndex, block_hashes
+from pdgate.router.prefix_index import ROOT_HASH, PrefixIndex, block_hashes
 
 __all__ = [
     "AllCleared",

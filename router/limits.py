@@ -45,10 +45,10 @@ from jinja2.runtime import Context, Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
 
-from router.errors import InvalidRequest, Overloaded
+from pdgate.router.errors import InvalidRequest, Overloaded
 
 if TYPE_CHECKING:
-    from router.config import RouterConfig
+    from pdgate.router.config import RouterConfig
 
 __all__ = [
     "BoundedEnvironment",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from proxy.log_format import LOG_FORMATS, configure_logging
-from router import request_context
+from pdgate.proxy.log_format import LOG_FORMATS, configure_logging
+from pdgate.router import request_context
 
 __all__ = ["LOG_FORMATS", "request_fields", "setup_logging"]
 

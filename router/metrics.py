@@ -17,8 +17,8 @@ from typing import Any, TypeVar
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from proxy.metrics import NoCreatedRegistry
-from router import request_context
+from pdgate.proxy.metrics import NoCreatedRegistry
+from pdgate.router import request_context
 
 M = TypeVar("M", Counter, Gauge, Histogram)
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import time
 
-from router import request_context
-from router.decider import Decider, Decision, PrefixDecider, decide
-from router.errors import ContextLengthExceeded
-from router.flows.base import Flow, StreamResult
-from router.flows.pull import PullFlow
-from router.metrics import RouterMetrics
-from router.schema import ChatParams, ClientRequest
-from router.tokenization import PromptTokenizer
+from pdgate.router import request_context
+from pdgate.router.decider import Decider, Decision, PrefixDecider, decide
+from pdgate.router.errors import ContextLengthExceeded
+from pdgate.router.flows.base import Flow, StreamResult
+from pdgate.router.flows.pull import PullFlow
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.schema import ChatParams, ClientRequest
+from pdgate.router.tokenization import PromptTokenizer
 
 __all__ = ["Decision", "Orchestrator", "StreamResult", "check_context_length", "decide"]
 

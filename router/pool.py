@@ -19,8 +19,8 @@ from typing import Literal
 
 from prometheus_client import Gauge
 
-from router.health import EngineHealth, HealthSettings
-from router.metrics import RouterMetrics
+from pdgate.router.health import EngineHealth, HealthSettings
+from pdgate.router.metrics import RouterMetrics
 
 __all__ = ["Endpoint", "EndpointPool", "Role"]
 

@@ -21,8 +21,8 @@ from typing import Annotated, Any, Literal, TypeVar
 import msgspec
 from msgspec import Meta
 
-from router.errors import InvalidRequest
-from router.limits import InputLimits, check_json_depth
+from pdgate.router.errors import InvalidRequest
+from pdgate.router.limits import InputLimits, check_json_depth
 
 __all__ = [
     "ChatParams",

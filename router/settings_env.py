@@ -19,8 +19,8 @@ from typing import Any, get_args
 
 import msgspec
 
-from proxy.secret_files import SecretFileError, read_secret_file
-from router.config import ConfigError, RouterConfig
+from pdgate.proxy.secret_files import SecretFileError, read_secret_file
+from pdgate.router.config import ConfigError, RouterConfig
 
 __all__ = ["ENV_PREFIX", "SECRET_FIELDS", "env_name", "env_overrides", "env_reference"]
 

@@ -29,8 +29,8 @@ from typing import Any
 import anyio.to_thread
 from jinja2 import Template
 
-from router.errors import InvalidRequest
-from router.limits import (
+from pdgate.router.errors import InvalidRequest
+from pdgate.router.limits import (
     BoundedEnvironment,
     InputLimits,
     TemplateWorkers,

@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio.to_thread
 
-from proxy.tracing import (
+from pdgate.proxy.tracing import (
     Tracing,
     TracingMiddleware,
     TracingUnavailable,
@@ -24,8 +24,8 @@ from proxy.tracing import (
     request_span,
     tracing_requested,
 )
-from router import __version__, request_context
-from router.config import ConfigError, RouterConfig
+from pdgate.router import __version__, request_context
+from pdgate.router.config import ConfigError, RouterConfig
 
 __all__ = ["UNTRACED", "Tracing", "TracingMiddleware", "TracingSlot", "check_tracing",
            "finish_span", "open_tracing", "span"]

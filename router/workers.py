@@ -38,11 +38,11 @@ from dataclasses import dataclass
 
 import msgspec
 
-from router.config import RouterConfig
+from pdgate.router.config import RouterConfig
 
 __all__ = ["run_workers", "split_limit", "worker_config"]
 
-log = logging.getLogger("router.workers")
+log = logging.getLogger("pdgate.router.workers")
 _BACKOFF_FIRST_S = 0.5
 _BACKOFF_MAX_S = 30.0
 _HEALTHY_AFTER_S = 60.0  # a worker up this long resets its restart backoff
@@ -105,7 +105,7 @@ class _Supervisor:
 
     def _start(self, w: _Worker) -> None:
         body = msgspec.json.encode(worker_config(self._config, w.index))
-        w.proc = subprocess.Popen([sys.executable, "-m", "router.workers", str(w.index)],
+        w.proc = subprocess.Popen([sys.executable, "-m", "pdgate.router.workers", str(w.index)],
                                   stdin=subprocess.PIPE)
         assert w.proc.stdin is not None
         w.proc.stdin.write(body)
@@ -180,7 +180,7 @@ def worker_main(index: int) -> int:
     """One worker: read its config from stdin, serve on the shared port."""
     _die_with_parent()
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=RouterConfig)
-    from router.cli import serve  # the same serving path as a single-process router
+    from pdgate.router.cli import serve  # the same serving path as a single-process router
 
     sock = listen_socket(config.host, config.port)
     return serve(config, sock=sock, worker=index)

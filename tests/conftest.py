@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from engine_shim.tiny import ensure_tiny_model
+from pdgate.engine_shim.tiny import ensure_tiny_model
 
 
 @pytest.fixture(scope="session")

@@ -6,12 +6,12 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.aborts import Aborter
-from router.engines import EngineClient
-from router.metrics import RouterMetrics
-from router.policies import Selector
-from router.pool import EndpointPool, Role
-from router.schema import ClientRequest
+from pdgate.router.aborts import Aborter
+from pdgate.router.engines import EngineClient
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.policies import Selector
+from pdgate.router.pool import EndpointPool, Role
+from pdgate.router.schema import ClientRequest
 
 __all__ = ["Flow", "FlowParts", "StreamResult"]
 

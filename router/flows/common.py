@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from router.engines import (
+from pdgate.router.engines import (
     EngineClient,
     EngineStream,
     PrefillUsage,
@@ -28,12 +28,12 @@ from router.engines import (
     prefill_usage,
     rewrite_usage,
 )
-from router.errors import RouterError, error_json
-from router.flows.bodies import decode_leg_body
-from router.metrics import RouterMetrics, StreamUsage
-from router.pool import Endpoint, EndpointPool
-from router.schema import ClientRequest
-from router.sse import UsageRewriter
+from pdgate.router.errors import RouterError, error_json
+from pdgate.router.flows.bodies import decode_leg_body
+from pdgate.router.metrics import RouterMetrics, StreamUsage
+from pdgate.router.pool import Endpoint, EndpointPool
+from pdgate.router.schema import ClientRequest
+from pdgate.router.sse import UsageRewriter
 
 __all__ = ["ChunkSource", "FlowMetrics", "KVInfoCache", "PrefillLeg",
            "open_continuation", "relay", "relay_chunks",

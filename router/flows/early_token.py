@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from router.schema import ClientRequest
+from pdgate.router.schema import ClientRequest
 
 __all__ = ["eligible", "first_token_ids", "head_chunks"]
 

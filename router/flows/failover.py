@@ -18,19 +18,19 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from router.errors import (
+from pdgate.router.errors import (
     EngineRejected,
     EngineTimeout,
     EngineUnavailable,
     NoEndpointAvailable,
     RouterError,
 )
-from router.flows.base import FlowParts
-from router.health import backoff_s
-from router.metrics import RouterMetrics
-from router.policies import PickContext, Selector, choose
-from router.pool import Endpoint, EndpointPool, Role
-from router.schema import ClientRequest
+from pdgate.router.flows.base import FlowParts
+from pdgate.router.health import backoff_s
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.policies import PickContext, Selector, choose
+from pdgate.router.pool import Endpoint, EndpointPool, Role
+from pdgate.router.schema import ClientRequest
 
 __all__ = ["Exclusions", "LegFailure", "PullInstead", "attempt_request", "choose_prefill",
            "note_failure", "run_leg", "run_or_pull", "with_failover"]

@@ -28,7 +28,7 @@ from typing import Any
 
 import msgspec
 
-from proxy import (
+from pdgate.proxy import (
     KVReadyTimeout,
     KVTransferFailed,
     NotifyServer,
@@ -36,28 +36,34 @@ from proxy import (
     WaiterLimitExceeded,
     WaiterTable,
 )
-from proxy.kv_contract import Continuation, NotifyDecodeParams, NotifyPrefillParams
-from router.errors import (
+from pdgate.proxy.kv_contract import Continuation, NotifyDecodeParams, NotifyPrefillParams
+from pdgate.router.errors import (
     EngineError,
     EngineRejected,
     EngineTimeout,
     Overloaded,
     RouterError,
 )
-from router.flows.base import FlowParts, StreamResult
-from router.flows.bodies import decode_leg_body, prefill_leg_body, remote_prefill
-from router.flows.common import (
+from pdgate.router.flows.base import FlowParts, StreamResult
+from pdgate.router.flows.bodies import decode_leg_body, prefill_leg_body, remote_prefill
+from pdgate.router.flows.common import (
     FlowMetrics,
     PrefillLeg,
     open_continuation,
     relay,
     rewrite_reply_usage,
 )
-from router.flows.early_token import eligible, first_token_ids, head_chunks
-from router.flows.failover import Exclusions, LegFailure, PullInstead, choose_prefill, run_or_pull
-from router.policies import PickContext, choose
-from router.pool import Endpoint
-from router.schema import ClientRequest
+from pdgate.router.flows.early_token import eligible, first_token_ids, head_chunks
+from pdgate.router.flows.failover import (
+    Exclusions,
+    LegFailure,
+    PullInstead,
+    choose_prefill,
+    run_or_pull,
+)
+from pdgate.router.policies import PickContext, choose
+from pdgate.router.pool import Endpoint
+from pdgate.router.schema import ClientRequest
 
 __all__ = ["NotifyFlow"]
 

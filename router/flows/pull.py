@@ -19,22 +19,22 @@ from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from router.engines import (
+from pdgate.router.engines import (
     EngineStream,
     PrefillUsage,
     extract_kv_params,
     prefill_usage,
     rewrite_usage,
 )
-from router.errors import EngineTimeout, EngineUnavailable, NoEndpointAvailable, RouterError
-from router.flows.base import FlowParts, StreamResult
-from router.flows.bodies import decode_leg_body, prefill_leg_body
-from router.flows.common import relay_chunks, rewrite_reply_usage
-from router.flows.failover import run_leg
-from router.pool import Endpoint
-from router.schema import ClientRequest
-from router.sse import UsageRewriter
-from router.tracing import span
+from pdgate.router.errors import EngineTimeout, EngineUnavailable, NoEndpointAvailable, RouterError
+from pdgate.router.flows.base import FlowParts, StreamResult
+from pdgate.router.flows.bodies import decode_leg_body, prefill_leg_body
+from pdgate.router.flows.common import relay_chunks, rewrite_reply_usage
+from pdgate.router.flows.failover import run_leg
+from pdgate.router.pool import Endpoint
+from pdgate.router.schema import ClientRequest
+from pdgate.router.sse import UsageRewriter
+from pdgate.router.tracing import span
 
 __all__ = ["PrefillOutcome", "PullFlow"]
 

@@ -33,12 +33,12 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
-from proxy.kv_contract import Continuation, PushDecodeParams, PushPrefillParams
-from router.engines import EngineStream
-from router.errors import EngineError, EngineTimeout, RouterError
-from router.flows.base import FlowParts, StreamResult
-from router.flows.bodies import decode_leg_body, prefill_leg_body, remote_prefill
-from router.flows.common import (
+from pdgate.proxy.kv_contract import Continuation, PushDecodeParams, PushPrefillParams
+from pdgate.router.engines import EngineStream
+from pdgate.router.errors import EngineError, EngineTimeout, RouterError
+from pdgate.router.flows.base import FlowParts, StreamResult
+from pdgate.router.flows.bodies import decode_leg_body, prefill_leg_body, remote_prefill
+from pdgate.router.flows.common import (
     FlowMetrics,
     KVInfoCache,
     PrefillLeg,
@@ -46,9 +46,15 @@ from router.flows.common import (
     relay,
     rewrite_reply_usage,
 )
-from router.flows.early_token import eligible, first_token_ids, head_chunks
-from router.flows.failover import Exclusions, LegFailure, PullInstead, choose_prefill, run_or_pull
-from router.flows.push_identity import (
+from pdgate.router.flows.early_token import eligible, first_token_ids, head_chunks
+from pdgate.router.flows.failover import (
+    Exclusions,
+    LegFailure,
+    PullInstead,
+    choose_prefill,
+    run_or_pull,
+)
+from pdgate.router.flows.push_identity import (
     Learned,
     PushPeers,
     ShimPeer,
@@ -56,9 +62,9 @@ from router.flows.push_identity import (
     VllmPeer,
     vllm_request_id,
 )
-from router.policies import PickContext, choose
-from router.pool import Endpoint
-from router.schema import ClientRequest
+from pdgate.router.policies import PickContext, choose
+from pdgate.router.pool import Endpoint
+from pdgate.router.schema import ClientRequest
 
 __all__ = ["PushFlow"]
 

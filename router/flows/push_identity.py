@@ -30,11 +30,11 @@ from typing import Any, TypeGuard
 
 import msgspec
 
-from router.errors import EngineRejected
-from router.flows.bodies import remote_prefill
-from router.flows.common import KVInfoCache
-from router.pool import Endpoint
-from router.schema import ClientRequest
+from pdgate.router.errors import EngineRejected
+from pdgate.router.flows.bodies import remote_prefill
+from pdgate.router.flows.common import KVInfoCache
+from pdgate.router.pool import Endpoint
+from pdgate.router.schema import ClientRequest
 
 __all__ = ["Learned", "PushPeers", "ShimPeer", "VllmIdentity", "VllmPeer",
            "vllm_request_id"]

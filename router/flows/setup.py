@@ -8,13 +8,13 @@ import contextlib
 
 from prometheus_client import CollectorRegistry
 
-from proxy import NotifyServer, ProxyConfig, ProxyMetrics
-from router.config import RouterConfig
-from router.flows.base import Flow, FlowParts
-from router.flows.common import FlowMetrics, KVInfoCache
-from router.flows.notify import NotifyFlow
-from router.flows.pull import PullFlow
-from router.flows.push import PushFlow
+from pdgate.proxy import NotifyServer, ProxyConfig, ProxyMetrics
+from pdgate.router.config import RouterConfig
+from pdgate.router.flows.base import Flow, FlowParts
+from pdgate.router.flows.common import FlowMetrics, KVInfoCache
+from pdgate.router.flows.notify import NotifyFlow
+from pdgate.router.flows.pull import PullFlow
+from pdgate.router.flows.push import PushFlow
 
 __all__ = ["open_flows"]
 

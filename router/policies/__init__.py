@@ -15,8 +15,8 @@ One `Policy` Protocol (`base.py`), one module per policy, a read-only registry
 
 from __future__ import annotations
 
-from router.policies.base import PickContext, Policy, PolicyEnv, Scorer
-from router.policies.registry import (
+from pdgate.router.policies.base import PickContext, Policy, PolicyEnv, Scorer
+from pdgate.router.policies.registry import (
     ALIASES,
     POLICIES,
     POLICY_NAMES,
@@ -24,7 +24,7 @@ from router.policies.registry import (
     check_policy,
     policy_spec,
 )
-from router.policies.runner import Selector, choose
+from pdgate.router.policies.runner import Selector, choose
 
 __all__ = [
     "ALIASES",

@@ -16,11 +16,11 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import msgspec
 
-from router.config import ConfigError
-from router.kv_events import KVEventIndex
-from router.pool import Endpoint
-from router.prefix_index import PrefixIndex, block_hashes
-from router.schema import ClientRequest
+from pdgate.router.config import ConfigError
+from pdgate.router.kv_events import KVEventIndex
+from pdgate.router.pool import Endpoint
+from pdgate.router.prefix_index import PrefixIndex, block_hashes
+from pdgate.router.schema import ClientRequest
 
 __all__ = [
     "PickContext",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from router.policies.prefix_aware import PrefixAware
+from pdgate.router.policies.prefix_aware import PrefixAware
 
 __all__ = ["KVEventsAware"]
 

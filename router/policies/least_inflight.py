@@ -6,8 +6,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from router.policies.base import NoParams, ParamsType, PickContext, PolicyEnv, Scorer, least_loaded
-from router.pool import Endpoint
+from pdgate.router.policies.base import (
+    NoParams,
+    ParamsType,
+    PickContext,
+    PolicyEnv,
+    Scorer,
+    least_loaded,
+)
+from pdgate.router.pool import Endpoint
 
 __all__ = ["LeastInflight"]
 

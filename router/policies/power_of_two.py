@@ -13,8 +13,8 @@ from typing import ClassVar
 
 import msgspec
 
-from router.policies.base import ParamsType, PickContext, PolicyEnv, Scorer
-from router.pool import Endpoint
+from pdgate.router.policies.base import ParamsType, PickContext, PolicyEnv, Scorer
+from pdgate.router.pool import Endpoint
 
 __all__ = ["PowerOfTwo"]
 

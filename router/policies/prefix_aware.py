@@ -26,9 +26,9 @@ from typing import Annotated, ClassVar
 import msgspec
 from msgspec import Meta
 
-from router.policies.base import ParamsType, PickContext, PolicyEnv, Scorer, least_loaded
-from router.policies.scorers import LoadScorer, PrefixScorer, SpreadScorer
-from router.pool import Endpoint
+from pdgate.router.policies.base import ParamsType, PickContext, PolicyEnv, Scorer, least_loaded
+from pdgate.router.policies.scorers import LoadScorer, PrefixScorer, SpreadScorer
+from pdgate.router.pool import Endpoint
 
 __all__ = ["PrefixAware", "PrefixAwareParams"]
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
-from router.config import ConfigError, PolicySpec
-from router.metrics import RouterMetrics
-from router.policies.base import Policy, PolicyEnv, parse_params
-from router.policies.kv_aware import KVEventsAware
-from router.policies.least_inflight import LeastInflight
-from router.policies.power_of_two import PowerOfTwo
-from router.policies.prefix_aware import PrefixAware
-from router.policies.round_robin import RoundRobin
-from router.policies.runner import Selector
-from router.policies.session import Session
+from pdgate.router.config import ConfigError, PolicySpec
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.policies.base import Policy, PolicyEnv, parse_params
+from pdgate.router.policies.kv_aware import KVEventsAware
+from pdgate.router.policies.least_inflight import LeastInflight
+from pdgate.router.policies.power_of_two import PowerOfTwo
+from pdgate.router.policies.prefix_aware import PrefixAware
+from pdgate.router.policies.round_robin import RoundRobin
+from pdgate.router.policies.runner import Selector
+from pdgate.router.policies.session import Session
 
 __all__ = ["ALIASES", "POLICIES", "POLICY_NAMES", "build_policy", "check_policy",
            "policy_spec"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from router.policies.base import NoParams, ParamsType, PickContext, PolicyEnv, Scorer
-from router.pool import Endpoint
+from pdgate.router.policies.base import NoParams, ParamsType, PickContext, PolicyEnv, Scorer
+from pdgate.router.pool import Endpoint
 
 __all__ = ["RoundRobin"]
 

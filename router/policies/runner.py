@@ -13,10 +13,10 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from router.errors import NoEndpointAvailable
-from router.metrics import RouterMetrics
-from router.policies.base import PickContext, Policy, PolicyEnv
-from router.pool import Endpoint, EndpointPool, Role
+from pdgate.router.errors import NoEndpointAvailable
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.policies.base import PickContext, Policy, PolicyEnv
+from pdgate.router.pool import Endpoint, EndpointPool, Role
 
 __all__ = ["Selector", "choose"]
 

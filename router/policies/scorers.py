@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from router.policies.base import PickContext, PolicyEnv
-from router.pool import Endpoint
+from pdgate.router.policies.base import PickContext, PolicyEnv
+from pdgate.router.pool import Endpoint
 
 __all__ = ["LoadScorer", "PrefixScorer", "SpreadScorer"]
 

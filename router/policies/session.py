@@ -24,8 +24,8 @@ from typing import Annotated, ClassVar
 import msgspec
 from msgspec import Meta
 
-from router.policies.base import ParamsType, PickContext, PolicyEnv, Scorer, least_loaded
-from router.pool import Endpoint
+from pdgate.router.policies.base import ParamsType, PickContext, PolicyEnv, Scorer, least_loaded
+from pdgate.router.pool import Endpoint
 
 __all__ = ["Session", "SessionParams"]
 

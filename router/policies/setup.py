@@ -8,15 +8,15 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from router.config import RouterConfig
-from router.decider import DecodePrefixLookup, PrefixDecider
-from router.kv_events import KVEventIndex, parse_kv_event_endpoints, running_subscribers
-from router.metrics import RouterMetrics
-from router.policies.base import PolicyEnv
-from router.policies.registry import build_policy, check_policy
-from router.policies.runner import Selector
-from router.pool import EndpointPool
-from router.prefix_index import PrefixIndex, block_hashes
+from pdgate.router.config import RouterConfig
+from pdgate.router.decider import DecodePrefixLookup, PrefixDecider
+from pdgate.router.kv_events import KVEventIndex, parse_kv_event_endpoints, running_subscribers
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.policies.base import PolicyEnv
+from pdgate.router.policies.registry import build_policy, check_policy
+from pdgate.router.policies.runner import Selector
+from pdgate.router.pool import EndpointPool
+from pdgate.router.prefix_index import PrefixIndex, block_hashes
 
 __all__ = ["Routing", "check_routing", "open_routing"]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from engine_shim.tiny import TINY_MODEL_NAME
+from pdgate.engine_shim.tiny import TINY_MODEL_NAME
 from tests.e2e.cluster import ROOT, free_port_range, metric
 
 LEASE_S = 3.0
@@ -168,7 +168,7 @@ def start_engines(tmp: Path, model_dir: Path, *, prefill: int = 2, decode: int =
         role = "prefill" if i < prefill else "decode"
         name = f"{role}-{i if i < prefill else i - prefill}"
         port, side = base + 1 + i, base + 1 + n + i
-        argv = [sys.executable, "-m", "engine_shim", "--model", str(model_dir),
+        argv = [sys.executable, "-m", "pdgate.engine_shim", "--model", str(model_dir),
                 "--served-model-name", TINY_MODEL_NAME, "--host", "127.0.0.1",
                 "--port", str(port), "--block-size", "4", "--num-blocks", "256",
                 "--engine-id", name, "--side-channel-host", "127.0.0.1",
@@ -200,7 +200,7 @@ def start_router(engines: list[Engine], port: int, model_dir: Path, mode: str, *
     """A router in `mode` (pull, notify or push) in front of `engines`; returns once it
     counts every engine healthy."""
     log_dir = engines[0].log.parent
-    argv = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(port),
+    argv = [sys.executable, "-m", "pdgate.router", "--host", "127.0.0.1", "--port", str(port),
             "--model", str(model_dir), "--served-model-name", TINY_MODEL_NAME,
             "--pd-mode", mode, *ROUTER_FLAGS]
     for e in engines:

@@ -33,7 +33,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_shim.tiny import TINY_MODEL_NAME
+from pdgate.engine_shim.tiny import TINY_MODEL_NAME
 from tests.chaos.cluster import (
     KV_READY_TIMEOUT_S,
     LEASE_S,

@@ -27,7 +27,7 @@ import pytest
 import yaml
 import zmq
 
-from proxy.wire import KVReady, to_frames
+from pdgate.proxy.wire import KVReady, to_frames
 from tests.deploy.conftest import MONITORING, NOTIFY_OVERRIDES, VLLM_VALUES, write_values
 from tests.deploy.helm_render import ROOT, Rendered, Renderer
 from tests.deploy.pods import Container, realize, secret_value

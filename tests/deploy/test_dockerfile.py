@@ -15,9 +15,9 @@ from urllib.parse import urlsplit
 import pytest
 from packaging.requirements import Requirement
 
-from engine_shim.cli import build_parser as shim_parser
 from pdgate.cli import SUBCOMMANDS
-from router.cli import build_parser as router_parser
+from pdgate.engine_shim.cli import build_parser as shim_parser
+from pdgate.router.cli import build_parser as router_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 

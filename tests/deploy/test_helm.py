@@ -19,13 +19,13 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 
-from engine_shim.cli import build_parser as shim_parser
-from engine_shim.metrics import ShimMetrics
-from proxy.metrics import ProxyMetrics
-from router.cli import build_parser as router_parser
-from router.config import load_config, validate_config
-from router.metrics import RouterMetrics
-from router.policies import POLICIES
+from pdgate.engine_shim.cli import build_parser as shim_parser
+from pdgate.engine_shim.metrics import ShimMetrics
+from pdgate.proxy.metrics import ProxyMetrics
+from pdgate.router.cli import build_parser as router_parser
+from pdgate.router.config import load_config, validate_config
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.policies import POLICIES
 from tests.deploy.conftest import MONITORING, VLLM_VALUES, write_values
 from tests.deploy.helm_render import CHART, ROOT, Rendered, Renderer
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engine_shim.kv_layout import LAYOUTS
+from pdgate.engine_shim.kv_layout import LAYOUTS
 from tests.e2e.cluster import Cluster, burst, complete, metric, start_cluster, wait_pools_full
 
 pytestmark = pytest.mark.slow

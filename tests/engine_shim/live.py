@@ -14,9 +14,9 @@ import httpx
 import pytest
 import uvicorn
 
-from engine_shim.engine import Engine, EngineConfig
-from engine_shim.metrics import ShimMetrics
-from engine_shim.server import ConnectorFactory, ServerSettings, create_app
+from pdgate.engine_shim.engine import Engine, EngineConfig
+from pdgate.engine_shim.metrics import ShimMetrics
+from pdgate.engine_shim.server import ConnectorFactory, ServerSettings, create_app
 
 MODEL = "tiny"
 BLOCK_SIZE = 4

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engine_shim.agent_thread import AgentThread, AgentThreadStopped
+from pdgate.engine_shim.agent_thread import AgentThread, AgentThreadStopped
 
 IDLE_S = 30.0  # far longer than any wait below: a tick inside a wait was not the idle one
 

@@ -23,14 +23,14 @@ from typing import Any
 import httpx
 import pytest
 
-from engine_shim import credentials
-from engine_shim.cli import (
+from pdgate.engine_shim import credentials
+from pdgate.engine_shim.cli import (
     ConnectorSettings,
     build_parser,
     nixl_connector_factory,
     secured_settings,
 )
-from engine_shim.server import ServerSettings
+from pdgate.engine_shim.server import ServerSettings
 from tests.engine_shim.live import MODEL, NUM_BLOCKS, Shim, start_shim, stop_shim
 
 KEY = "engine-key-0123456789"
@@ -138,7 +138,7 @@ def test_protect_metrics_needs_the_key_for_metrics_only(tiny_model_dir: Path) ->
 def test_an_engine_without_a_key_stays_open_and_says_so(
     tiny_model_dir: Path, caplog: pytest.LogCaptureFixture,
 ) -> None:
-    with caplog.at_level(logging.WARNING, logger="engine_shim.server"):
+    with caplog.at_level(logging.WARNING, logger="pdgate.engine_shim.server"):
         shim = start_shim(tiny_model_dir)
     try:
         assert "every route of this engine" in caplog.text and "open" in caplog.text
@@ -199,7 +199,7 @@ def test_cli_reads_the_key_from_a_mounted_file(tiny_model_dir: Path, tmp_path: P
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine_shim", "--model", str(tiny_model_dir),
+        [sys.executable, "-m", "pdgate.engine_shim", "--model", str(tiny_model_dir),
          "--served-model-name", MODEL, "--port", str(port), "--no-kv-transfer",
          "--log-level", "warning"],
         cwd=Path(__file__).resolve().parents[2],
@@ -228,7 +228,7 @@ def test_cli_reads_the_key_from_a_mounted_file(tiny_model_dir: Path, tmp_path: P
 
 
 async def test_websockets_need_the_key_too() -> None:
-    from engine_shim.auth import EngineAuth
+    from pdgate.engine_shim.auth import EngineAuth
 
     reached: list[str] = []
 

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine_shim.block_mapping import region_pairs, slot_runs
-from engine_shim.connector import KVTransferError
-from engine_shim.kv_cache import PagedKVCache, planes_view
-from engine_shim.kv_layout import BLOCK_MAJOR, LAYER_MAJOR, KVLayout
+from pdgate.engine_shim.block_mapping import region_pairs, slot_runs
+from pdgate.engine_shim.connector import KVTransferError
+from pdgate.engine_shim.kv_cache import PagedKVCache, planes_view
+from pdgate.engine_shim.kv_layout import BLOCK_MAJOR, LAYER_MAJOR, KVLayout
 from tests.engine_shim.test_transfer import LAYOUT, PeerProcess, _decode, _spawn_p, _stop_p
 
 

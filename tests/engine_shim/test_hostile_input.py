@@ -24,7 +24,7 @@ import httpx
 import msgspec
 import pytest
 
-from engine_shim.server import ServerSettings
+from pdgate.engine_shim.server import ServerSettings
 from tests.engine_shim.live import MODEL, Shim, start_shim, stop_shim
 
 LIMIT = 1 << 20
@@ -223,7 +223,7 @@ def test_a_version_1_or_unversioned_leg_is_served(shim: Shim) -> None:
 
 
 def test_the_default_limit_is_16_mib_and_settable() -> None:
-    from engine_shim.cli import build_parser
+    from pdgate.engine_shim.cli import build_parser
 
     assert build_parser().parse_args([]).max_body_bytes == 16 << 20 == \
         ServerSettings().max_body_bytes

@@ -7,8 +7,14 @@ import threading
 import pytest
 import torch
 
-from engine_shim.kv_cache import BlockPool, OutOfBlocks, PagedKVCache
-from engine_shim.kv_layout import BLOCK_MAJOR, LAYER_MAJOR, LAYOUT_NAME, KVLayout, region_list
+from pdgate.engine_shim.kv_cache import BlockPool, OutOfBlocks, PagedKVCache
+from pdgate.engine_shim.kv_layout import (
+    BLOCK_MAJOR,
+    LAYER_MAJOR,
+    LAYOUT_NAME,
+    KVLayout,
+    region_list,
+)
 
 
 def test_allocate_prefers_lowest_free_ids() -> None:

@@ -16,11 +16,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
-from engine_shim.kv_cache import PagedKVCache
-from engine_shim.kv_layout import BLOCK_MAJOR, LAYER_MAJOR, LAYOUT_NAME
-from engine_shim.model import LlamaModel
-from engine_shim.model_config import ModelConfig
-from engine_shim.sampler import Sampler, SamplingParams
+from pdgate.engine_shim.kv_cache import PagedKVCache
+from pdgate.engine_shim.kv_layout import BLOCK_MAJOR, LAYER_MAJOR, LAYOUT_NAME
+from pdgate.engine_shim.model import LlamaModel
+from pdgate.engine_shim.model_config import ModelConfig
+from pdgate.engine_shim.sampler import Sampler, SamplingParams
 
 ATOL = 1e-4
 BLOCK_SIZE = 4

@@ -13,11 +13,11 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engine_shim.connector import KVConnector
-from engine_shim.kv_cache import PagedKVCache
-from engine_shim.kv_layout import KVLayout
-from engine_shim.metrics import ShimMetrics
-from engine_shim.notices import (
+from pdgate.engine_shim.connector import KVConnector
+from pdgate.engine_shim.kv_cache import PagedKVCache
+from pdgate.engine_shim.kv_layout import KVLayout
+from pdgate.engine_shim.metrics import ShimMetrics
+from pdgate.engine_shim.notices import (
     MAX_NOTICE_BYTES,
     NOTICE_VERSION,
     Failed,

@@ -25,8 +25,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from engine_shim.cli import ConnectorSettings, nixl_connector_factory
-from proxy import NotifyServer, ProxyConfig
+from pdgate.engine_shim.cli import ConnectorSettings, nixl_connector_factory
+from pdgate.proxy import NotifyServer, ProxyConfig
 from tests.engine_shim.live import BLOCK_SIZE, MODEL, NUM_BLOCKS, Shim, start_shim, stop_shim
 
 # X-Request-Id values (bytes: sent as they are; the server reads them as latin-1 text).

@@ -11,19 +11,19 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from engine_shim.engine import Engine, EngineConfig
-from engine_shim.kv_cache import BlockPool, OutOfBlocks
-from engine_shim.metrics import ShimMetrics
-from engine_shim.prefix_cache import (
+from pdgate.engine_shim.engine import Engine, EngineConfig
+from pdgate.engine_shim.kv_cache import BlockPool, OutOfBlocks
+from pdgate.engine_shim.metrics import ShimMetrics
+from pdgate.engine_shim.prefix_cache import (
     BlockRemovedEvent,
     BlockStoredEvent,
     PrefixCache,
     block_hashes,
 )
-from engine_shim.sampler import SamplingParams
-from engine_shim.sequence import GenerateRequest
-from router.kv_events import KVEventIndex, Removed, Stored, decode_batch
-from router.prefix_index import block_hashes as router_hashes
+from pdgate.engine_shim.sampler import SamplingParams
+from pdgate.engine_shim.sequence import GenerateRequest
+from pdgate.router.kv_events import KVEventIndex, Removed, Stored, decode_batch
+from pdgate.router.prefix_index import block_hashes as router_hashes
 
 BS = 4
 

@@ -24,11 +24,11 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
-from engine_shim.connector import KVConnector
-from engine_shim.kv_cache import PagedKVCache
-from engine_shim.kv_layout import KVLayout
-from engine_shim.metrics import ShimMetrics
-from engine_shim.notices import (
+from pdgate.engine_shim.connector import KVConnector
+from pdgate.engine_shim.kv_cache import PagedKVCache
+from pdgate.engine_shim.kv_layout import KVLayout
+from pdgate.engine_shim.metrics import ShimMetrics
+from pdgate.engine_shim.notices import (
     FAILURE_REASONS,
     NOTICE_VERSION,
     Landed,
@@ -37,9 +37,9 @@ from engine_shim.notices import (
     encode_notice,
     failed,
 )
-from engine_shim.push import Expired, Match, PendingPushes, Refusal, WriteTarget
-from engine_shim.transfer_errors import KVTransferError
-from proxy.kv_contract import PushDecodeParams, PushPrefillParams
+from pdgate.engine_shim.push import Expired, Match, PendingPushes, Refusal, WriteTarget
+from pdgate.engine_shim.transfer_errors import KVTransferError
+from pdgate.proxy.kv_contract import PushDecodeParams, PushPrefillParams
 
 TTL = 10.0
 PARAMS = PushPrefillParams(num_tokens=6, notify_endpoint="tcp://127.0.0.1:1",

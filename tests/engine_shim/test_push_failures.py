@@ -20,8 +20,8 @@ import httpx
 import pytest
 from transformers import AutoTokenizer
 
-from engine_shim.cli import ConnectorSettings, nixl_connector_factory
-from engine_shim.connector import KVConnector
+from pdgate.engine_shim.cli import ConnectorSettings, nixl_connector_factory
+from pdgate.engine_shim.connector import KVConnector
 from tests.engine_shim.live import MODEL, Shim, start_shim, stop_shim
 
 REACTION_S = 2.0  # far below the 30 s transfer timeout; generous for a shared 2-core VM

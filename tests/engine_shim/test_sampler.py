@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_shim.sampler import Sampler, SamplingParams
+from pdgate.engine_shim.sampler import Sampler, SamplingParams
 
 
 def _logits(seed: int = 0, vocab: int = 64) -> torch.Tensor:

@@ -23,12 +23,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
-from engine_shim.cli import ConnectorSettings, nixl_connector_factory
-from engine_shim.engine import Engine, EngineConfig
-from engine_shim.metrics import ShimMetrics
-from engine_shim.sampler import SamplingParams
-from engine_shim.sequence import GenerateRequest
-from engine_shim.transfer_errors import KVTransferError
+from pdgate.engine_shim.cli import ConnectorSettings, nixl_connector_factory
+from pdgate.engine_shim.engine import Engine, EngineConfig
+from pdgate.engine_shim.metrics import ShimMetrics
+from pdgate.engine_shim.sampler import SamplingParams
+from pdgate.engine_shim.sequence import GenerateRequest
+from pdgate.engine_shim.transfer_errors import KVTransferError
 from tests.engine_shim.live import (
     ADMISSION_TIMEOUT,
     BLOCK_SIZE,
@@ -363,7 +363,7 @@ async def test_concurrent_and_preempted_requests_match_solo_runs(
     try:
         reqs = [_greedy(f"r{i}", [1, 40 + i, 77, 300 - i], 30) for i in range(3)]
         solo = [(await _run(engine, [r]))[0] for r in reqs]
-        with caplog.at_level(logging.INFO, logger="engine_shim.scheduler"):
+        with caplog.at_level(logging.INFO, logger="pdgate.engine_shim.scheduler"):
             together = await _run(engine, reqs)
         assert "preempting request" in caplog.text
         assert together == solo
@@ -382,7 +382,7 @@ def test_cli_serves_and_shuts_down_on_sigterm(tiny_model_dir: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine_shim", "--model", str(tiny_model_dir),
+        [sys.executable, "-m", "pdgate.engine_shim", "--model", str(tiny_model_dir),
          "--served-model-name", MODEL, "--port", str(port), "--no-kv-transfer",
          "--log-level", "warning"],
         cwd=Path(__file__).resolve().parents[2],

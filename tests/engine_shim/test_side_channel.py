@@ -16,11 +16,11 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from engine_shim.connector import KVConnector
-from engine_shim.kv_cache import PagedKVCache
-from engine_shim.kv_layout import KVLayout
-from engine_shim.metrics import ShimMetrics
-from engine_shim.side_channel import (
+from pdgate.engine_shim.connector import KVConnector
+from pdgate.engine_shim.kv_cache import PagedKVCache
+from pdgate.engine_shim.kv_layout import KVLayout
+from pdgate.engine_shim.metrics import ShimMetrics
+from pdgate.engine_shim.side_channel import (
     MAX_REPLY_BYTES,
     MAX_REQUEST_BYTES,
     SIDE_CHANNEL_VERSION,

@@ -10,9 +10,9 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from engine_shim.kv_cache import PagedKVCache, planes_view
-from engine_shim.kv_layout import BLOCK_MAJOR, LAYER_MAJOR, KVLayout
-from engine_shim.staging import HostStaging, block_runs, create_staging
+from pdgate.engine_shim.kv_cache import PagedKVCache, planes_view
+from pdgate.engine_shim.kv_layout import BLOCK_MAJOR, LAYER_MAJOR, KVLayout
+from pdgate.engine_shim.staging import HostStaging, block_runs, create_staging
 
 LAYOUT = KVLayout(num_layers=3, num_blocks=10, block_size=4, num_kv_heads=2, head_dim=8)
 

@@ -21,16 +21,16 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from engine_shim.connector import (
+from pdgate.engine_shim.connector import (
     KVConnector,
     KVConnectorError,
     KVHandshakeError,
     KVTransferError,
 )
-from engine_shim.kv_cache import BlockPool, PagedKVCache
-from engine_shim.kv_layout import BLOCK_MAJOR, LAYER_MAJOR, KVLayout
-from engine_shim.metrics import ShimMetrics
-from engine_shim.side_channel import SIDE_CHANNEL_VERSION, Envelope, decode_reply
+from pdgate.engine_shim.kv_cache import BlockPool, PagedKVCache
+from pdgate.engine_shim.kv_layout import BLOCK_MAJOR, LAYER_MAJOR, KVLayout
+from pdgate.engine_shim.metrics import ShimMetrics
+from pdgate.engine_shim.side_channel import SIDE_CHANNEL_VERSION, Envelope, decode_reply
 
 MODEL = "tiny-llama"
 LAYOUT = KVLayout(num_layers=2, num_blocks=32, block_size=16, num_kv_heads=2, head_dim=16)

@@ -13,8 +13,8 @@ import pytest
 import torch
 from prometheus_client import CollectorRegistry
 
-from engine_shim.metrics import ShimMetrics
-from engine_shim.transport_probe import probe_transport, run_probe
+from pdgate.engine_shim.metrics import ShimMetrics
+from pdgate.engine_shim.transport_probe import probe_transport, run_probe
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,7 +37,7 @@ def test_probe_measures_read_and_write_and_exports_them() -> None:
 
 def test_probe_below_threshold_warns_loudly(caplog: pytest.LogCaptureFixture) -> None:
     m = ShimMetrics.create(CollectorRegistry())
-    with caplog.at_level(logging.WARNING, logger="engine_shim.transport_probe"):
+    with caplog.at_level(logging.WARNING, logger="pdgate.engine_shim.transport_probe"):
         result = probe_transport("DRAM", 0, m, name="t-slow", min_gbps=float("inf"))
     assert result is not None and result.emulated == ["read", "write"]
     assert gauge(m, "pdgate_shim_kv_probe_emulated") == 1
@@ -53,7 +53,7 @@ def test_run_probe_checks_sizes() -> None:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
 def test_failed_probe_is_logged_not_raised(caplog: pytest.LogCaptureFixture) -> None:
     m = ShimMetrics.create(CollectorRegistry())
-    with caplog.at_level(logging.WARNING, logger="engine_shim.transport_probe"):
+    with caplog.at_level(logging.WARNING, logger="pdgate.engine_shim.transport_probe"):
         assert probe_transport("VRAM", 0, m, name="t-fail") is None
     assert "KV transport probe failed" in caplog.text
     assert gauge(m, "pdgate_shim_kv_probe_emulated") == -1

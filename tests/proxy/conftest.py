@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import zmq
 
-from proxy import NotifySender, NotifyServer, ProxyConfig
+from pdgate.proxy import NotifySender, NotifyServer, ProxyConfig
 
 SECRET = "s3cret-s3cret-s3cret"
 

@@ -11,9 +11,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from proxy import KVReady, NotifySender
-from proxy.cli import build_parser, config_from_args
-from proxy.wire import MAX_FRAME_BYTES
+from pdgate.proxy import KVReady, NotifySender
+from pdgate.proxy.cli import build_parser, config_from_args
+from pdgate.proxy.wire import MAX_FRAME_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,7 +38,7 @@ def test_standalone_process_receives_and_stops_cleanly() -> None:
     mport = free_port()
     env = {**os.environ, "PDGATE_NOTIFY_SECRET": "standalone-secret-123"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "--bind", "tcp://127.0.0.1:0",
+        [sys.executable, "-m", "pdgate.proxy", "--bind", "tcp://127.0.0.1:0",
          "--metrics-port", str(mport), "--log-level", "WARNING"],
         stdout=subprocess.PIPE, text=True, cwd=ROOT, env=env,
     )
@@ -63,7 +63,7 @@ def test_standalone_process_receives_and_stops_cleanly() -> None:
 
 
 def test_bad_setting_is_a_usage_error() -> None:
-    out = subprocess.run([sys.executable, "-m", "proxy", "--ttl-seconds", "0"],
+    out = subprocess.run([sys.executable, "-m", "pdgate.proxy", "--ttl-seconds", "0"],
                          capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 2
     assert "ttl_s" in out.stderr
@@ -76,7 +76,7 @@ def test_frame_size_setting_reaches_the_config() -> None:
 
 
 def test_standalone_help() -> None:
-    out = subprocess.run([sys.executable, "-m", "proxy", "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "pdgate.proxy", "--help"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     for flag in ("--bind", "--notify-secret", "--ttl-seconds", "--max-early", "--max-waiters",

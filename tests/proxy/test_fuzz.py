@@ -8,8 +8,8 @@ import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy import NotifyServer, ProxyConfig
-from proxy.wire import FrameDecoder, KVReady, WireError, to_frames
+from pdgate.proxy import NotifyServer, ProxyConfig
+from pdgate.proxy.wire import FrameDecoder, KVReady, WireError, to_frames
 
 SECRET = b"fuzz-secret-fuzz-secret"
 

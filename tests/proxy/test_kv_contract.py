@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from proxy.kv_contract import (
+from pdgate.proxy.kv_contract import (
     KV_PARAMS_VERSION,
     NOTIFY_TOKEN_MAX_CHARS,
     Continuation,
@@ -25,7 +25,7 @@ from proxy.kv_contract import (
     parse_pdgate_params,
     parse_version,
 )
-from proxy.wire import MAX_TOKEN_LENGTH
+from pdgate.proxy.wire import MAX_TOKEN_LENGTH
 
 # vLLM's keys that pick the leg; the router's leg bodies add them (router/flows/bodies.py).
 P_ROLE = {"do_remote_decode": True, "do_remote_prefill": False}

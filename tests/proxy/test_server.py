@@ -12,7 +12,7 @@ import msgspec
 import pytest
 import zmq
 
-from proxy import (
+from pdgate.proxy import (
     KVReady,
     KVReadyTimeout,
     KVTransferFailed,
@@ -20,7 +20,7 @@ from proxy import (
     NotifyServer,
     ProxyConfig,
 )
-from proxy.wire import encode, sign, to_frames
+from pdgate.proxy.wire import encode, sign, to_frames
 from tests.proxy.conftest import SECRET, ServerFactory, eventually, sample
 
 MSGS = "pdgate_proxy_messages_total"
@@ -158,7 +158,7 @@ async def test_a_decoder_bug_is_counted_and_survived(
 async def test_a_receive_bug_does_not_end_the_loop(
     server: NotifyServer, sender: NotifySender, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    import proxy.server as mod
+    import pdgate.proxy.server as mod
 
     real = mod._recv
     calls = 0
@@ -363,7 +363,7 @@ async def test_sender_in_another_process(make_server: ServerFactory) -> None:
     server = await make_server(notify_secret=SECRET)
     server.waiters.register("xp-1")
     code = textwrap.dedent(f"""
-        from proxy import KVReady, NotifySender
+        from pdgate.proxy import KVReady, NotifySender
         with NotifySender(secret={SECRET!r}) as s:
             assert s.send({server.endpoint!r}, KVReady(request_id="xp-1", engine_id="p9"))
             import time; time.sleep(0.5)  # linger 0: give the frame time to leave

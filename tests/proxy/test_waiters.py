@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from proxy import (
+from pdgate.proxy import (
     KVReady,
     KVReadyTimeout,
     KVTransferFailed,

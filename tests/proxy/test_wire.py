@@ -8,8 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-import proxy
-from proxy.wire import (
+from pdgate import proxy
+from pdgate.proxy.wire import (
     MAC_SIZE,
     MAX_FRAME_BYTES,
     PROTOCOL_VERSION,

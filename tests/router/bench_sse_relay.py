@@ -24,10 +24,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from router.engines import EngineStream
-from router.flows.common import relay_chunks
-from router.metrics import RouterMetrics
-from router.sse import UsageRewriter
+from pdgate.router.engines import EngineStream
+from pdgate.router.flows.common import relay_chunks
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.sse import UsageRewriter
 
 TOKEN = "x" * 50
 

@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
-from proxy import KVReady, NotifySender
+from pdgate.proxy import KVReady, NotifySender
 
 PREFILL_PROMPT_TOKENS = 11
 PREFILL_CACHED_TOKENS = 3

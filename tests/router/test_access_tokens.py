@@ -22,14 +22,14 @@ def tokens(router: RunningRouter) -> tuple[float, float]:
 
 
 def access_lines(caplog: pytest.LogCaptureFixture) -> list[dict[str, Any]]:
-    return [r.fields for r in caplog.records if r.name == "router.access"]  # type: ignore[attr-defined]
+    return [r.fields for r in caplog.records if r.name == "pdgate.router.access"]  # type: ignore[attr-defined]
 
 
 async def test_a_plain_answer_counts_the_usage_the_client_got(
     pd: PD, caplog: pytest.LogCaptureFixture,
 ) -> None:
     _, d, router = pd
-    with caplog.at_level(logging.INFO, logger="router.access"):
+    with caplog.at_level(logging.INFO, logger="pdgate.router.access"):
         resp = await router.client.post("/v1/completions", json=BODY)
     usage = resp.json()["usage"]
     # Billed from P's prompt count, D's completion count.
@@ -64,7 +64,7 @@ async def test_the_access_line_carries_the_fallback_reason(
 ) -> None:
     p, _, router = pd
     p.return_kv_params = False
-    with caplog.at_level(logging.INFO, logger="router.access"):
+    with caplog.at_level(logging.INFO, logger="pdgate.router.access"):
         resp = await router.client.post("/v1/completions", json=BODY)
     assert resp.status_code == 200
     [line] = access_lines(caplog)

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from router.admission import Admission
-from router.errors import Overloaded
+from pdgate.router.admission import Admission
+from pdgate.router.errors import Overloaded
 from tests.router.conftest import MODEL
 from tests.router.test_errors import COMPLETIONS, MakeEngine, StartRouter
 from tests.router.test_ops import eventually

@@ -14,9 +14,9 @@ import httpx
 import msgspec
 import pytest
 
-from router.cli import build_parser, config_from_args, main
-from router.config import ConfigError, RouterConfig, load_config, validate_config
-from router.policies import POLICIES
+from pdgate.router.cli import build_parser, config_from_args, main
+from pdgate.router.config import ConfigError, RouterConfig, load_config, validate_config
+from pdgate.router.policies import POLICIES
 from tests.router.fake_engine import FakeEngine
 
 NAMES = frozenset(POLICIES)
@@ -61,7 +61,7 @@ def test_wrong_type_is_named(tmp_path: Path) -> None:
 def test_a_missing_setting_is_named_as_flag_yaml_key_and_env(
     capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from router.cli import main
+    from pdgate.router.cli import main
 
     assert main(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2"]) == 2
     assert "missing required setting --model (YAML `model`, env PDGATE_MODEL)" \
@@ -126,7 +126,7 @@ async def test_python_m_router_serves_and_stops_on_signal(
     p, d = await make_engine(), await make_engine()
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router", "--model", str(tiny_model_dir), "--prefill", p.url,
+        sys.executable, "-m", "pdgate.router", "--model", str(tiny_model_dir), "--prefill", p.url,
         "--decode", d.url, "--port", str(port), "--served-model-name", "tiny",
         "--log-level", "warning", cwd=Path(__file__).parents[2],
         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])},
@@ -157,7 +157,7 @@ async def test_sigterm_drains_in_flight_requests_before_exiting(
     p, d = await make_engine(), await make_engine(delay_s=1.5)
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router", "--model", str(tiny_model_dir), "--prefill", p.url,
+        sys.executable, "-m", "pdgate.router", "--model", str(tiny_model_dir), "--prefill", p.url,
         "--decode", d.url, "--port", str(port), "--served-model-name", "tiny",
         "--log-level", "warning", "--shutdown-timeout-s", "20",
         cwd=Path(__file__).parents[2],

@@ -19,9 +19,9 @@ import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
-from router import __version__
-from router.dashboard import HistogramWindow, History
-from router.metrics import RouterMetrics
+from pdgate.router import __version__
+from pdgate.router.dashboard import HistogramWindow, History
+from pdgate.router.metrics import RouterMetrics
 from tests.router.conftest import MODEL, RunningRouter
 from tests.router.fake_engine import FakeEngine
 

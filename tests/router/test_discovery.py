@@ -17,11 +17,11 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from router.config import ConfigError, RouterConfig, validate_config
-from router.discovery import ApiServer, PodWatcher, WatchSpec
-from router.metrics import RouterMetrics
-from router.policies import POLICIES
-from router.pool import EndpointPool, Role
+from pdgate.router.config import ConfigError, RouterConfig, validate_config
+from pdgate.router.discovery import ApiServer, PodWatcher, WatchSpec
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.policies import POLICIES
+from pdgate.router.pool import EndpointPool, Role
 from tests.router.conftest import MODEL, serve
 from tests.router.fake_engine import FakeEngine
 

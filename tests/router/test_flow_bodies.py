@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from router.flows.bodies import decode_leg_body, prefill_leg_body, remote_prefill
+from pdgate.router.flows.bodies import decode_leg_body, prefill_leg_body, remote_prefill
 
 CLIENT: dict[str, Any] = {
     "model": "m", "prompt": "hi", "max_tokens": 9, "stream": True, "min_tokens": 2,

@@ -25,8 +25,8 @@ import zmq
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from engine_shim.kv_layout import KVLayout
-from engine_shim.side_channel import (
+from pdgate.engine_shim.kv_layout import KVLayout
+from pdgate.engine_shim.side_channel import (
     SIDE_CHANNEL_VERSION,
     HandshakePayload,
     SideChannelServer,
@@ -34,8 +34,8 @@ from engine_shim.side_channel import (
     decode_reply,
     fetch_handshake,
 )
-from engine_shim.transfer_errors import KVHandshakeError
-from router.tokenization import PromptTokenizer
+from pdgate.engine_shim.transfer_errors import KVHandshakeError
+from pdgate.router.tokenization import PromptTokenizer
 from tests.router.conftest import MODEL, router_config, serve
 from tests.router.fake_engine import FakeEngine
 

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from router.health import BreakerState, EngineHealth, HealthSettings, backoff_s
+from pdgate.router.health import BreakerState, EngineHealth, HealthSettings, backoff_s
 from tests.router.conftest import MODEL
 from tests.router.fake_engine import DECODE_PROMPT_TOKENS
 from tests.router.test_errors import COMPLETIONS, MakeEngine, StartRouter

@@ -16,9 +16,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from router.config import RouterConfig
-from router.engines import EngineClient
-from router.errors import EngineProtocolError, EngineReplyTooLarge, RouterError
+from pdgate.router.config import RouterConfig
+from pdgate.router.engines import EngineClient
+from pdgate.router.errors import EngineProtocolError, EngineReplyTooLarge, RouterError
 from tests.router.conftest import MODEL, RunningRouter, sse_events
 from tests.router.fake_engine import FakeEngine
 

@@ -1,6 +1,6 @@
 """A thousand hostile requests against a router process leave no trace.
 
-The router runs as its own process (`python -m router`, client chat templates allowed with
+The router runs as its own process (`python -m pdgate.router`, client chat templates allowed with
 a 0.5 s budget) in front of fake engines, so its RSS is not mixed with the test's. Mixed
 attacks — nesting bombs, broken UTF-8 and surrogate escapes, prompts megabytes over the
 context, thousands of messages, template loop and memory bombs, malformed JSON — must all
@@ -59,7 +59,7 @@ def _rss(pid: int) -> int:
 async def router_process(model_dir: Path, prefill: str, decode: str, log: Path
                          ) -> AsyncIterator[tuple[subprocess.Popen[bytes], httpx.AsyncClient]]:
     port = _free_port()
-    cmd = [sys.executable, "-m", "router", "--model", str(model_dir),
+    cmd = [sys.executable, "-m", "pdgate.router", "--model", str(model_dir),
            "--served-model-name", MODEL, "--prefill", prefill, "--decode", decode,
            "--port", str(port), "--health-interval-s", "3600", "--log-level", "warning",
            "--allow-client-chat-template", "--chat-template-timeout-s", str(TEMPLATE_BUDGET_S),

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.tokenization import PromptTokenizer
+from pdgate.router.tokenization import PromptTokenizer
 from tests.router.conftest import MODEL, RunningRouter
 from tests.router.fake_engine import FakeEngine
 

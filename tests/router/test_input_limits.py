@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-import router.limits as limits_module
-from router.errors import InvalidRequest
-from router.limits import BoundedEnvironment, InputLimits, check_json_depth, render_bounded
-from router.tokenization import PromptTokenizer, max_chars_per_token
+import pdgate.router.limits as limits_module
+from pdgate.router.errors import InvalidRequest
+from pdgate.router.limits import BoundedEnvironment, InputLimits, check_json_depth, render_bounded
+from pdgate.router.tokenization import PromptTokenizer, max_chars_per_token
 from tests.router.test_hostile_requests import HI, nested_arrays, nested_objects
 
 

@@ -9,10 +9,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from proxy.log_format import configure_logging
-from router import request_context
-from router.health import EngineHealth, HealthSettings
-from router.logs import request_fields
+from pdgate.proxy.log_format import configure_logging
+from pdgate.router import request_context
+from pdgate.router.health import EngineHealth, HealthSettings
+from pdgate.router.logs import request_fields
 
 
 @pytest.fixture
@@ -28,10 +28,10 @@ def log_in_request(text: str) -> None:
     token = request_context.open_record(request_context.RequestRecord("POST", "/v1/x"))
     try:
         request_context.bind_ids("abc123", "client-7")
-        logging.getLogger("router.test").warning(text, extra={"fields": {"n": 1}})
+        logging.getLogger("pdgate.router.test").warning(text, extra={"fields": {"n": 1}})
     finally:
         request_context.close_record(token)
-    logging.getLogger("router.test").warning("outside")
+    logging.getLogger("pdgate.router.test").warning("outside")
 
 
 def test_json_lines_carry_the_request_ids(stderr: io.StringIO) -> None:
@@ -60,7 +60,7 @@ def test_unknown_format_is_refused() -> None:
 def test_breaker_closing_is_info_and_opening_a_warning(caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
     health = EngineHealth(HealthSettings(eject_after=1, open_s=1.0), "P0", clock=lambda: now[0])
-    with caplog.at_level(logging.INFO, logger="router.health"):
+    with caplog.at_level(logging.INFO, logger="pdgate.router.health"):
         health.record_failure()
         now[0] = 2.0
         health.record_success()

@@ -8,10 +8,10 @@ import asyncio
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from router import request_context
-from router.admission import Admission
-from router.errors import Overloaded
-from router.metrics import RouterMetrics
+from pdgate.router import request_context
+from pdgate.router.admission import Admission
+from pdgate.router.errors import Overloaded
+from pdgate.router.metrics import RouterMetrics
 
 REGISTRIES: dict[int, CollectorRegistry] = {}
 

@@ -9,8 +9,8 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
-from router.config import ConfigError
-from router.policies import build_policy
+from pdgate.router.config import ConfigError
+from pdgate.router.policies import build_policy
 from tests.router.conftest import MODEL, RunningRouter
 from tests.router.fake_engine import FakeEngine
 

@@ -8,8 +8,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from proxy import NotifySender
-from proxy.wire import KVReady
+from pdgate.proxy import NotifySender
+from pdgate.proxy.wire import KVReady
 from tests.router.conftest import MODEL, RunningRouter, engine_rid, until
 from tests.router.fake_engine import FakeEngine
 

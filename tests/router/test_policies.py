@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from router.config import ConfigError, PolicySpec
-from router.errors import NoEndpointAvailable
-from router.kv_events import KVEventIndex, Stored
-from router.metrics import RouterMetrics
-from router.policies import POLICIES, PickContext, PolicyEnv, build_policy, choose
-from router.pool import EndpointPool
-from router.prefix_index import PrefixIndex, block_hashes
+from pdgate.router.config import ConfigError, PolicySpec
+from pdgate.router.errors import NoEndpointAvailable
+from pdgate.router.kv_events import KVEventIndex, Stored
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.policies import POLICIES, PickContext, PolicyEnv, build_policy, choose
+from pdgate.router.pool import EndpointPool
+from pdgate.router.prefix_index import PrefixIndex, block_hashes
 
 CTX = PickContext("rid")
 BS = 4

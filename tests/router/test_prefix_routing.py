@@ -11,13 +11,13 @@ from typing import Any
 import msgspec
 import pytest
 
-from engine_shim.kv_events import KVEventPublisher
-from engine_shim.metrics import ShimMetrics
-from engine_shim.prefix_cache import BlockStoredEvent
-from router.decider import PrefixDecider
-from router.kv_events import AllCleared, KVEventIndex, Removed, Stored, decode_batch
-from router.prefix_index import PrefixIndex, block_hashes
-from router.schema import ClientRequest, CompletionParams
+from pdgate.engine_shim.kv_events import KVEventPublisher
+from pdgate.engine_shim.metrics import ShimMetrics
+from pdgate.engine_shim.prefix_cache import BlockStoredEvent
+from pdgate.router.decider import PrefixDecider
+from pdgate.router.kv_events import AllCleared, KVEventIndex, Removed, Stored, decode_batch
+from pdgate.router.prefix_index import PrefixIndex, block_hashes
+from pdgate.router.schema import ClientRequest, CompletionParams
 from tests.router.conftest import RunningRouter
 from tests.router.fake_engine import FakeEngine
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from router.cli import config_from_args
-from router.config import ConfigError, RouterConfig
-from router.settings_env import env_name, env_overrides, env_reference
+from pdgate.router.cli import config_from_args
+from pdgate.router.config import ConfigError, RouterConfig
+from pdgate.router.settings_env import env_name, env_overrides, env_reference
 
 BASE = ["--model", "m", "--prefill", "http://p:1", "--decode", "http://d:1"]
 

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from router.errors import InvalidRequest
-from router.tokenization import THREAD_THRESHOLD_CHARS, PromptTokenizer
+from pdgate.router.errors import InvalidRequest
+from pdgate.router.tokenization import THREAD_THRESHOLD_CHARS, PromptTokenizer
 
 
 @pytest.fixture(scope="module")

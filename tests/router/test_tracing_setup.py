@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from proxy.tracing import tracing_requested
-from router.app import create_app
-from router.config import ConfigError, RouterConfig
+from pdgate.proxy.tracing import tracing_requested
+from pdgate.router.app import create_app
+from pdgate.router.config import ConfigError, RouterConfig
 
 
 @pytest.mark.parametrize(("endpoint", "env", "on"), [

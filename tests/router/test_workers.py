@@ -1,7 +1,7 @@
 """`pdgate router --workers N`: real router processes on one port in front of fake engines.
 
 The fake engines (tests/router/fake_engine.py) run in the test's event loop on loopback
-sockets; the router is a real `python -m router --workers 2` process tree. Each response
+sockets; the router is a real `python -m pdgate.router --workers 2` process tree. Each response
 names the worker that served it (`X-Pdgate-Worker`); new connections are spread by the
 kernel (SO_REUSEPORT), so a test sends requests on fresh connections until it has seen
 both workers.
@@ -22,8 +22,8 @@ import httpx
 import msgspec
 import pytest
 
-from router.config import RouterConfig
-from router.workers import split_limit, worker_config
+from pdgate.router.config import RouterConfig
+from pdgate.router.workers import split_limit, worker_config
 from tests.router.conftest import MODEL
 from tests.router.fake_engine import FakeEngine
 
@@ -86,7 +86,7 @@ async def start_tree(tiny_model_dir: Path) -> AsyncIterator[Callable[..., Any]]:
 
     async def start(p: FakeEngine, d: FakeEngine, *extra: str) -> RouterTree:
         port = _free_port()
-        argv = [sys.executable, "-m", "router", "--workers", "2", "--port", str(port),
+        argv = [sys.executable, "-m", "pdgate.router", "--workers", "2", "--port", str(port),
                 "--model", str(tiny_model_dir), "--served-model-name", MODEL,
                 "--prefill", p.url, "--decode", d.url, "--prefill-policy", "round-robin",
                 "--decode-policy", "round-robin", "--log-level", "warning", *extra]

@@ -14,7 +14,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from engine_shim.tiny import build_tiny_tokenizer
+from pdgate.engine_shim.tiny import build_tiny_tokenizer
 
 VLLM_TINY_CONFIG: dict[str, Any] = {
     "vocab_size": 512,

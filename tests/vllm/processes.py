@@ -155,9 +155,9 @@ def start_vllm(python: Path, model_dir: Path, name: str, log_dir: Path, *, core:
 
 def start_router(model_dir: Path, prefill: list[str], decode: list[str], log_dir: Path,
                  extra_args: list[str] | None = None) -> Proc:
-    """Start pdgate's router (`python -m router`, this repo's interpreter). Does not wait."""
+    """Start pdgate's router (`python -m pdgate.router`, this repo's interpreter). Does not wait."""
     port = free_port()
-    argv = [sys.executable, "-m", "router", "--model", str(model_dir),
+    argv = [sys.executable, "-m", "pdgate.router", "--model", str(model_dir),
             "--served-model-name", SERVED_NAME, "--port", str(port),
             "--health-interval-s", "2", "--engine-api-key", ENGINE_KEY]
     for url in prefill:

@@ -210,11 +210,13 @@ class RelayResponse(StreamingResponse):
 def build_request(
     kind: str, raw: bytes, request: Request, request_id: str, served: list[str],
     client_id: str | None = None, limits: InputLimits | None = None,
+    engine_model: str | None = None,
 ) -> ClientRequest:
     """Validate `raw` into a `ClientRequest` (raises `RouterError` subclasses).
 
     `request_id` is the router's internal id (router/request_ids.py): the only id engines
-    see. `client_id` is the client's sanitised `X-Request-Id`, kept for logs."""
+    see. `client_id` is the client's sanitised `X-Request-Id`, kept for logs. A served alias
+    is rewritten to `engine_model`, the name engines know."""
     if kind == "chat":
         body, chat = parse_chat(raw, limits)
         req = ClientRequest("chat", "/v1/chat/completions", body, chat, request_id, {})
@@ -225,6 +227,8 @@ def build_request(
     model = req.params.model
     if model is not None and model not in served:
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    if model is not None and engine_model is not None and model != engine_model:
+        req.body["model"] = engine_model
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     for name, valid in _TRACE_HEADERS:
         if (value := request.headers.get(name)) is not None and valid(value):
@@ -268,7 +272,7 @@ def _completion_handler(
     ) -> Response:
         try:
             args = (kind, raw, request, ids.internal, st.config.served_names, ids.client,
-                    st.limits)
+                    st.limits, st.config.engine_model)
             # A megabyte body takes msgspec tens of ms to decode: not on the event loop.
             req = build_request(*args) if len(raw) <= _INLINE_PARSE_BYTES else \
                 await anyio.to_thread.run_sync(build_request, *args)

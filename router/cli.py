@@ -27,8 +27,9 @@ _DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(RouterConfig)}
 
 _METAVARS = {
     "model": "PATH_OR_NAME", "tokenizer": "PATH_OR_NAME", "prefill": "URL", "decode": "URL",
-    "served_model_name": "NAME", "pd_mode": "MODE", "prefill_policy": "POLICY",
-    "decode_policy": "POLICY", "host": "ADDR", "log_level": "LEVEL", "log_format": "FORMAT",
+    "served_model_name": "NAME", "engine_model_name": "NAME", "pd_mode": "MODE",
+    "prefill_policy": "POLICY", "decode_policy": "POLICY", "host": "ADDR", "log_level": "LEVEL",
+    "log_format": "FORMAT",
     "otlp_traces_endpoint": "URL",
     "discovery": "MODE", "namespace": "NAME", "prefill_selector": "LABELS",
     "decode_selector": "LABELS", "prefill_port": "PORT", "decode_port": "PORT",
@@ -45,6 +46,9 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("decode", list, "decode engine base URL, e.g. http://10.0.0.2:8200 (repeatable)"),
     ("served_model_name", list, "model name clients may request (repeatable; "
                                 "default: --model)"),
+    ("engine_model_name", str, "model name the engines serve: a request for any served name "
+                               "is sent to the engines under this one (default: the first "
+                               "--served-model-name)"),
     ("tokenizer", str, "tokenizer directory or hub name (default: --model)"),
     ("max_model_len", int, "context length in tokens (default: from the model's "
                            "config.json or the tokenizer)"),

@@ -53,6 +53,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     prefill: list[str] = []
     decode: list[str] = []
     served_model_name: list[str] = []
+    # The name engines know the model by; requests for another served name are rewritten to
+    # it, so aliases work with engines that serve one name.
+    engine_model_name: str | None = None
     tokenizer: str | None = None
     max_model_len: int | None = None
     pd_mode: Literal["pull", "notify", "push"] = "pull"
@@ -157,6 +160,12 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     def served_names(self) -> list[str]:
         """Names clients may put in `model` (defaults to `[model]`)."""
         return list(self.served_model_name) or [self.model]
+
+    @property
+    def engine_model(self) -> str:
+        """The `model` engines receive (default: the first served name, as vLLM's
+        `--served-model-name` treats its first entry)."""
+        return self.engine_model_name or self.served_names[0]
 
     @property
     def client_api_keys(self) -> list[str]:

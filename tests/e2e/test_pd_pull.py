@@ -28,7 +28,9 @@ LAYERS = 2
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = start_cluster(tmp_path_factory.mktemp("pd"), tiny_model_dir)
+    # An alias beside the engines' own name (`tiny`): the router rewrites it for them.
+    c = start_cluster(tmp_path_factory.mktemp("pd"), tiny_model_dir,
+                      extra=["--router-arg=--served-model-name=org/alias"])
     yield c
     c.stop()
 
@@ -57,6 +59,18 @@ def test_openai_sdk_completions_chat_and_streaming(cluster: Cluster) -> None:
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == 6
     assert usage.prompt_tokens == chat.usage.prompt_tokens
+
+
+def test_a_served_alias_reaches_the_engines_under_their_name(cluster: Cluster) -> None:
+    listed = httpx.get(cluster.router + "/v1/models", timeout=10).json()["data"]
+    assert [m["id"] for m in listed] == ["tiny", "org/alias"]
+    by_alias = complete(cluster.router, "An alias for the same model", model="org/alias")
+    by_name = complete(cluster.router, "An alias for the same model")
+    assert by_alias["choices"][0]["text"] == by_name["choices"][0]["text"]
+    # Straight to an engine, the alias is unknown: the rewrite is what made it work.
+    direct = httpx.post(cluster.prefill[0] + "/v1/completions", timeout=30,
+                        json={"model": "org/alias", "prompt": "x", "max_tokens": 1})
+    assert direct.status_code == 404
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["1-block", "3-blocks", "many-blocks"])

@@ -1,9 +1,10 @@
-"""The router app factory: everything is built in the lifespan and passed in, no globals.
+"""The router app factory: everything is built here or in the lifespan and passed in, no globals.
 
 `create_app(config)` validates the config at once (bad settings fail before serving);
-the lifespan then builds, in order, metrics → tokenizer → engine client (one pooled
-aiohttp session) → endpoint pool (first health round) → health-check task → orchestrator,
-and tears them down in reverse order.
+the tokenizer is loaded there too, only if something configured reads prompt tokens
+(router/tokenizer_setup.py). The lifespan then builds, in order, metrics → engine client
+(one pooled aiohttp session) → endpoint pool (first health round) → health-check task →
+orchestrator, and tears them down in reverse order.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable
 
-import anyio.to_thread
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
@@ -39,7 +39,8 @@ from pdgate.router.orchestrator import Orchestrator
 from pdgate.router.policies import POLICY_NAMES
 from pdgate.router.policies.setup import check_routing, open_routing
 from pdgate.router.pool import Endpoint, EndpointPool
-from pdgate.router.tokenization import PromptTokenizer, load_tokenizer
+from pdgate.router.tokenization import PromptTokenizer
+from pdgate.router.tokenizer_setup import log_no_tokenizer, open_tokenizer, token_readers
 from pdgate.router.tracing import UNTRACED, TracingMiddleware, TracingSlot, finish_span
 
 __all__ = ["create_app"]
@@ -57,17 +58,21 @@ def create_app(
 
     `registry`: where metrics go (default: a fresh registry per app, exposed at /metrics).
     `tokenizer`: a preloaded tokenizer (tests share one); default loads
-    `config.tokenizer_source` at startup. Raises `ConfigError` for invalid settings.
+    `config.tokenizer_source` here, when a configured feature reads prompt tokens.
+    Raises `ConfigError` for invalid settings or a needed tokenizer that cannot load.
     """
     validate_config(config, POLICY_NAMES)
     check_routing(config)
+    readers = token_readers(config)
+    if tokenizer is None:
+        tokenizer = open_tokenizer(config, readers)
     tracing = TracingSlot(config, os.environ)  # off unless configured (router/tracing.py)
     holder = StateHolder()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with tracing.running(), _serving_state(
-                config, registry or RouterMetrics.registry(), tokenizer) as st:
+                config, registry or RouterMetrics.registry(), tokenizer, bool(readers)) as st:
             holder.set(st)
             sampler = asyncio.create_task(dashboard.sample_forever())  # its rate history
             try:
@@ -99,17 +104,18 @@ def create_app(
 
 @contextlib.asynccontextmanager
 async def _serving_state(
-    config: RouterConfig, registry: CollectorRegistry, tokenizer: PromptTokenizer | None
+    config: RouterConfig, registry: CollectorRegistry, tokenizer: PromptTokenizer | None,
+    tokenize_prompts: bool,
 ) -> AsyncIterator[RouterState]:
     metrics = RouterMetrics.create(registry)
-    if tokenizer is None:
-        tokenizer = await anyio.to_thread.run_sync(
-            load_tokenizer, config.tokenizer_source, config.model, config.max_model_len
-        )
-    # This app's input limits (and max_model_len, also for a preloaded tokenizer).
-    tokenizer = tokenizer.with_limits(InputLimits.from_config(config), config.max_model_len)
+    limits = InputLimits.from_config(config)
+    if not tokenize_prompts:
+        log_no_tokenizer()
     async with contextlib.AsyncExitStack() as stack:
-        stack.push_async_callback(tokenizer.aclose)  # client-template worker processes
+        if tokenizer is not None:
+            # This app's input limits (and max_model_len, also for a preloaded tokenizer).
+            tokenizer = tokenizer.with_limits(limits, config.max_model_len)
+            stack.push_async_callback(tokenizer.aclose)  # client-template worker processes
         engines = EngineClient.create(config)
         stack.push_async_callback(engines.close)
         pool = EndpointPool(config.prefill, config.decode, metrics, health=HealthSettings(
@@ -133,13 +139,10 @@ async def _serving_state(
         parts = FlowParts(pool, engines, {"prefill": routing.prefill, "decode": routing.decode},
                           metrics, aborter, config.max_retries, config.retry_backoff_s)
         pull, pd_flow = await open_flows(config, parts, registry, stack)
-        orchestrator = Orchestrator(
-            tokenizer, metrics, pull, pd_flow, routing.decider,
-            # Notify reserves D's blocks and push names the prompt's size: both need tokens.
-            tokenize_prompts=config.tokenize_prompts == "always" or routing.needs_tokens
-            or config.pd_mode != "pull")
+        orchestrator = Orchestrator(tokenizer, metrics, pull, pd_flow, routing.decider,
+                                    tokenize_prompts=tokenize_prompts, limits=limits)
         yield RouterState(config, metrics, registry, pool, orchestrator, int(time.time()),
-                          _admission(config, metrics), InputLimits.from_config(config))
+                          _admission(config, metrics), limits)
 
 
 def _breaker_feed(pool: EndpointPool) -> Callable[[str, RouterError | None], None]:

@@ -16,9 +16,11 @@ from pdgate.router.decider import Decider, Decision, PrefixDecider, decide
 from pdgate.router.errors import ContextLengthExceeded
 from pdgate.router.flows.base import Flow, StreamResult
 from pdgate.router.flows.pull import PullFlow
+from pdgate.router.limits import InputLimits
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.schema import ChatParams, ClientRequest
-from pdgate.router.tokenization import PromptTokenizer
+from pdgate.router.tokenization import PromptTokenizer, check_chat
+from pdgate.router.tracing import span
 
 __all__ = ["Decision", "Orchestrator", "StreamResult", "check_context_length", "decide"]
 
@@ -26,14 +28,18 @@ __all__ = ["Decision", "Orchestrator", "StreamResult", "check_context_length", "
 class Orchestrator:
     """Runs one client request through the engines. Built once per app; no framework."""
 
-    def __init__(self, tokenizer: PromptTokenizer, metrics: RouterMetrics, pull: PullFlow,
-                 pd_flow: Flow | None = None, decider: Decider | None = None, *,
-                 tokenize_prompts: bool = True) -> None:
+    def __init__(self, tokenizer: PromptTokenizer | None, metrics: RouterMetrics,
+                 pull: PullFlow, pd_flow: Flow | None = None, decider: Decider | None = None,
+                 *, tokenize_prompts: bool = True, limits: InputLimits | None = None) -> None:
+        if tokenize_prompts and tokenizer is None:
+            raise ValueError("tokenize_prompts needs a tokenizer")
         self.tokenizer = tokenizer
         # False when no policy, decider rule or flow reads the prompt's tokens: the router
         # then never tokenizes (its cost grows with the prompt) and the engines check the
-        # context length themselves (their 400 is relayed as is).
+        # context length themselves (their 400 is relayed as is). The tokenizer may then
+        # be None: the chat rules below need only the limits.
         self.tokenize_prompts = tokenize_prompts
+        self.limits = limits or (tokenizer.limits if tokenizer is not None else InputLimits())
         self.metrics = metrics
         self.decider: Decider = decider or PrefixDecider()
         self.pull = pull
@@ -50,10 +56,11 @@ class Orchestrator:
 
     async def _serve(self, req: ClientRequest) -> bytes | StreamResult:
         if self.tokenize_prompts:
-            await self.tokenize(req)
+            with span("tokenize"):
+                await self.tokenize(req)
         elif isinstance(req.params, ChatParams):
-            self.tokenizer.check_chat(req.body["messages"], req.params.chat_template_kwargs,
-                                      req.params.chat_template)
+            check_chat(self.limits, req.body["messages"], req.params.chat_template_kwargs,
+                       req.params.chat_template)
         decision = self.decider.decide(req)
         self.metrics.child(self.metrics.disagg_decisions, decision.reason).inc()
         # TTFT counts from the request's arrival (admission queue and tokenization included),
@@ -73,6 +80,7 @@ class Orchestrator:
         A prompt whose length in characters already proves it cannot fit is refused before
         it is tokenized (or, for chat, before the template renders all of it)."""
         tok = self.tokenizer
+        assert tok is not None  # __init__: tokenize_prompts comes with a tokenizer
         char_limit = tok.char_limit(req.max_tokens)
         if isinstance(req.params, ChatParams):
             text = await tok.render_chat(

@@ -39,7 +39,8 @@ from pdgate.router.limits import (
     worker_count,
 )
 
-__all__ = ["THREAD_THRESHOLD_CHARS", "PromptTokenizer", "load_tokenizer", "max_chars_per_token"]
+__all__ = ["THREAD_THRESHOLD_CHARS", "PromptTokenizer", "check_chat", "load_tokenizer",
+           "max_chars_per_token"]
 
 THREAD_THRESHOLD_CHARS = 2000
 # HF uses a huge sentinel (int(1e30)) for "no limit" in model_max_length.
@@ -132,17 +133,8 @@ class PromptTokenizer:
 
     def check_chat(self, messages: Sequence[Any], template_kwargs: Mapping[str, Any] | None,
                    chat_template: str | None) -> None:
-        """The router's rules for a chat request, checked whether or not it renders it:
-        at most `max_messages` messages, and no client-supplied template (`chat_template`
-        or `chat_template_kwargs.chat_template`) unless the limits allow one."""
-        if len(messages) > self.limits.max_messages:
-            raise InvalidRequest(f"at most {self.limits.max_messages} messages are accepted",
-                                 param="messages")
-        client = chat_template if chat_template is not None else \
-            (template_kwargs or {}).get("chat_template")
-        if client is not None and not self.limits.allow_client_chat_template:
-            raise InvalidRequest("this router does not accept a chat_template from the "
-                                 "client", param="chat_template")
+        """`check_chat` under this tokenizer's limits."""
+        check_chat(self.limits, messages, template_kwargs, chat_template)
 
     async def render_chat(
         self,
@@ -285,6 +277,22 @@ def _flatten_message(message: Mapping[str, Any]) -> dict[str, Any]:
         return dict(message)
     texts = [p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text"]
     return {**message, "content": "\n".join(str(t) for t in texts)}
+
+
+def check_chat(limits: InputLimits, messages: Sequence[Any],
+               template_kwargs: Mapping[str, Any] | None, chat_template: str | None) -> None:
+    """The router's rules for a chat request, checked whether or not it renders it (and
+    with or without a tokenizer): at most `max_messages` messages, and no client-supplied
+    template (`chat_template` or `chat_template_kwargs.chat_template`) unless the limits
+    allow one."""
+    if len(messages) > limits.max_messages:
+        raise InvalidRequest(f"at most {limits.max_messages} messages are accepted",
+                             param="messages")
+    client = chat_template if chat_template is not None else \
+        (template_kwargs or {}).get("chat_template")
+    if client is not None and not limits.allow_client_chat_template:
+        raise InvalidRequest("this router does not accept a chat_template from the client",
+                             param="chat_template")
 
 
 def _is_utf8(text: str) -> bool:

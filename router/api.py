@@ -42,6 +42,7 @@ from pdgate.router.orchestrator import Orchestrator, StreamResult
 from pdgate.router.pool import EndpointPool
 from pdgate.router.request_ids import client_request_id, new_internal_id
 from pdgate.router.schema import ClientRequest, classify_prompt, parse_chat, parse_completion
+from pdgate.router.tracing import span
 
 __all__ = ["RouterState", "StateHolder", "install_error_handlers", "install_routes"]
 
@@ -253,7 +254,10 @@ def _completion_handler(
             # hold an admission slot (those are for work the engines do).
             raw = await read_body_within(request, cfg.max_body_bytes, cfg.body_timeout_s,
                                          cfg.body_chunk_timeout_s)
-            slot = await st.admission.acquire() if st.admission else None
+            slot = None
+            if st.admission:
+                with span("admission_wait"):
+                    slot = await st.admission.acquire()
         except RouterError as exc:
             if isinstance(exc, Overloaded):
                 st.metrics.child(st.metrics.admission_rejected, exc.reason).inc()

@@ -17,7 +17,8 @@ from typing import Any
 
 import msgspec
 
-__all__ = ["EventChecker", "SSELineTooLong", "SSEProtocolError", "UsageRewriter"]
+__all__ = ["EventChecker", "SSELineTooLong", "SSEProtocolError", "UsageRewriter",
+           "strip_usage_events"]
 
 _json_decode = msgspec.json.Decoder().decode
 _json_encode = msgspec.json.Encoder().encode
@@ -214,3 +215,29 @@ class UsageRewriter:
             return line
         self._fix(usage)
         return _DATA + _json_encode(event)
+
+
+def strip_usage_events(lines: bytes) -> bytes:
+    """`lines` (whole SSE lines) without the usage-only event (`"choices": []` plus a usage
+    object) and the blank line that ends it: what a client that did not ask for
+    `stream_options.include_usage` gets from vLLM. Other lines pass untouched."""
+    if b'"usage"' not in lines:
+        return lines
+    out: list[bytes] = []
+    dropped = False
+    for line in lines.split(b"\n"):
+        if dropped and not line:
+            dropped = False
+            continue
+        dropped = line.startswith(_DATA) and b'"usage"' in line and _usage_only(line)
+        if not dropped:
+            out.append(line)
+    return b"\n".join(out)
+
+
+def _usage_only(line: bytes) -> bool:
+    try:
+        event = _json_decode(line[len(_DATA):])
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        return False
+    return isinstance(event, dict) and event.get("choices") == [] and "usage" in event

@@ -21,6 +21,7 @@ from pdgate.proxy.tracing import (
     TracingMiddleware,
     TracingUnavailable,
     check_available,
+    record_span,
     request_span,
     tracing_requested,
 )
@@ -28,7 +29,7 @@ from pdgate.router import __version__, request_context
 from pdgate.router.config import ConfigError, RouterConfig
 
 __all__ = ["UNTRACED", "Tracing", "TracingMiddleware", "TracingSlot", "check_tracing",
-           "finish_span", "open_tracing", "span"]
+           "finish_span", "open_tracing", "record_span", "span"]
 
 span = request_span  # `with span("prefill_leg", engine=url):` anywhere in a request
 

@@ -41,11 +41,18 @@ def prefill_leg_body(body: Mapping[str, Any], extra: Mapping[str, Any] | None = 
 
 def decode_leg_body(body: Mapping[str, Any], kv_params: Any | None) -> bytes:
     """The D leg's JSON: `kv_params` as its `kv_transfer_params` (None: any the client sent
-    are removed, so D computes the prompt itself)."""
+    are removed, so D computes the prompt itself). A stream always asks D for its final
+    usage chunk: the router's token counters need it, and the relay removes it again for
+    a client that did not ask (`strip_usage_events`)."""
     b = dict(body)
     b.pop("kv_transfer_params", None)
     if kv_params is not None:
         b["kv_transfer_params"] = kv_params
+    if b.get("stream") is True:
+        opts = b.get("stream_options")
+        if not (isinstance(opts, Mapping) and opts.get("include_usage")):
+            b["stream_options"] = {**(opts if isinstance(opts, Mapping) else {}),
+                                   "include_usage": True}
     return _json_encode(b)
 
 

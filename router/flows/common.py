@@ -33,7 +33,8 @@ from pdgate.router.flows.bodies import decode_leg_body
 from pdgate.router.metrics import RouterMetrics, StreamUsage
 from pdgate.router.pool import Endpoint, EndpointPool
 from pdgate.router.schema import ClientRequest
-from pdgate.router.sse import UsageRewriter
+from pdgate.router.sse import UsageRewriter, strip_usage_events
+from pdgate.router.tracing import record_span, span
 
 __all__ = ["ChunkSource", "FlowMetrics", "KVInfoCache", "PrefillLeg",
            "open_continuation", "relay", "relay_chunks",
@@ -87,7 +88,8 @@ class PrefillLeg:
     def start(cls, pool: EndpointPool, engines: EngineClient, ep: Endpoint,
               req: ClientRequest, body: bytes) -> PrefillLeg:
         async def call() -> dict[str, Any]:
-            with pool.track(ep):
+            # The task copies the request's context, so the span is the request's child.
+            with pool.track(ep), span("prefill_leg", **{"pdgate.engine": ep.url}):
                 return await engines.post_json(ep.url, req.path, body, req.engine_headers)
 
         task = asyncio.create_task(call(), name=f"prefill-{req.request_id}")
@@ -180,7 +182,8 @@ def rewrite_reply_usage(raw: bytes, usage: PrefillUsage) -> bytes:
 
 
 async def relay(stream: ChunkSource, prefill: PrefillLeg | None, metrics: RouterMetrics,
-                t0: float, mode: str, rewrite: bool) -> AsyncGenerator[bytes, None]:
+                t0: float, mode: str, rewrite: bool, client_wants_usage: bool
+                ) -> AsyncGenerator[bytes, None]:
     """D's SSE bytes as they arrive. With `rewrite`, usage chunks are billed from P's reply
     (when it is in by then; D's own count of the prompt is right otherwise). A failure
     mid-stream ends it with an SSE error event and [DONE]."""
@@ -190,13 +193,18 @@ async def relay(stream: ChunkSource, prefill: PrefillLeg | None, metrics: Router
             rewrite_usage(usage, p_usage)
 
     rewriter = UsageRewriter(fix) if rewrite else None
-    async for out in relay_chunks(stream.chunks(), rewriter, metrics, t0, mode):
+    async for out in relay_chunks(stream.chunks(), rewriter, metrics, t0, mode,
+                                  client_wants_usage):
         yield out
 
 
+def _keep(usage: dict[str, Any]) -> None:
+    """A rewriter fix that changes nothing (the rewriter only buffers whole lines)."""
+
+
 async def relay_chunks(chunks: AsyncIterator[bytes], rewriter: UsageRewriter | None,
-                       metrics: RouterMetrics, t0: float, mode: str
-                       ) -> AsyncGenerator[bytes, None]:
+                       metrics: RouterMetrics, t0: float, mode: str,
+                       client_wants_usage: bool = True) -> AsyncGenerator[bytes, None]:
     """The one relay loop of every flow: bytes out as they arrive, TTFT and inter-token
     latency observed, usage chunks rewritten (line-buffered) when `rewriter` is given, the
     tokens of the last usage chunk the client got counted when the stream ends however it
@@ -206,10 +214,18 @@ async def relay_chunks(chunks: AsyncIterator[bytes], rewriter: UsageRewriter | N
     The engine stream checks the protocol and reports its failures to the engine's breaker
     (`EngineStream`); here they only end the client's stream, as an event of its own: a
     blank line first unless the bytes sent so far ended an event. Engine streams hand out
-    whole lines, as does the rewriter, so usage chunks are found per relayed piece."""
+    whole lines, as does the rewriter, so usage chunks are found per relayed piece.
+
+    D is always asked for the final usage chunk (flows/bodies.py) so every stream is
+    counted; for a client that did not ask (`client_wants_usage` False) it is counted, then
+    removed. Traced requests get a `decode_stream` span (relay start to end) and a
+    `first_token` span (arrival to the first byte relayed)."""
     last = 0.0
     sent = b""  # the last bytes yielded
     usage = StreamUsage()
+    if not client_wants_usage and rewriter is None:
+        rewriter = UsageRewriter(_keep)  # whole lines, so the usage event can be cut out
+    start_ns = time.time_ns()
     try:
         async for chunk in chunks:
             now = time.perf_counter()
@@ -217,18 +233,31 @@ async def relay_chunks(chunks: AsyncIterator[bytes], rewriter: UsageRewriter | N
                 metrics.inter_token_latency.observe(now - last)
             else:
                 metrics.observe_ttft(mode, t0, now)
+                _record_first_token(t0, now)
             last = now
             out = rewriter.feed(chunk) if rewriter else chunk
             if out:
-                sent = out
                 usage.feed(out)
+                if not client_wants_usage:
+                    out = strip_usage_events(out)
+            if out:
+                sent = out
                 yield out
         if rewriter and (tail := rewriter.flush()):
             usage.feed(tail)
-            yield tail
+            if tail := tail if client_wants_usage else strip_usage_events(tail):
+                yield tail
     except RouterError as exc:
         log.warning("decode stream failed mid-response: %s", exc.message)
         sep = b"" if not sent or sent.endswith(b"\n\n") else b"\n"
         yield sep + b"data: " + error_json(exc) + b"\n\n" + _DONE
     finally:
         usage.observe(metrics)
+        record_span("decode_stream", start_ns, time.time_ns(), **{"pdgate.mode": mode})
+
+
+def _record_first_token(t0: float, now: float) -> None:
+    """The `first_token` span: from the request's arrival (`t0`, perf_counter) to now."""
+    end_ns = time.time_ns()
+    record_span("first_token", end_ns - int((now - t0) * 1e9), end_ns,
+                **{"pdgate.ttft_s": now - t0})

@@ -64,6 +64,7 @@ from pdgate.router.flows.failover import (
 from pdgate.router.policies import PickContext, choose
 from pdgate.router.pool import Endpoint
 from pdgate.router.schema import ClientRequest
+from pdgate.router.tracing import span
 
 __all__ = ["NotifyFlow"]
 
@@ -190,7 +191,8 @@ class NotifyFlow:
         waiters = self.proxy.waiters
         o = self.parts
         try:
-            await waiters.wait(rid, self.timeout)
+            with span("kv_ready_wait", **{"pdgate.reserved_tokens": n}):
+                await waiters.wait(rid, self.timeout)
         except BaseException as exc:
             waiters.cancel(rid)
             return self._failed(req, leg, p_ep, d_ep, exc)
@@ -234,7 +236,7 @@ class NotifyFlow:
         o = self.parts
         body = decode_leg_body(req.body, None if kv.params is None else remote_prefill(kv.params))
         try:
-            with o.pool.track(d_ep):
+            with o.pool.track(d_ep), span("decode_leg", **{"pdgate.engine": d_ep.url}):
                 raw = await o.engines.post_raw(d_ep.url, req.path, body, req.engine_headers)
         except BaseException:
             self.aborter.abort(d_ep.url, req.request_id)
@@ -254,7 +256,9 @@ class NotifyFlow:
         stack = contextlib.ExitStack()
         stack.enter_context(o.pool.track(d_ep))
         try:
-            stream = await o.engines.open_stream(d_ep.url, req.path, body, req.engine_headers)
+            with span("decode_leg_open", **{"pdgate.engine": d_ep.url}):
+                stream = await o.engines.open_stream(d_ep.url, req.path, body,
+                                                     req.engine_headers)
             stack.callback(stream.close)
             # Garbage or an error where the stream should start is a 502, not a 200.
             await stream.check_start(o.engines.first_byte_timeout_s)
@@ -263,8 +267,9 @@ class NotifyFlow:
             self.aborter.abort(d_ep.url, req.request_id)
             raise
         stack.callback(kv.leg.cancel)  # a no-op once P has answered
-        rewrite = req.wants_usage_chunks and kv.params is not None
-        chunks = relay(stream, kv.leg, o.metrics, t0, MODE, rewrite)
+        rewrite = kv.params is not None
+        chunks = relay(stream, kv.leg, o.metrics, t0, MODE, rewrite,
+                       req.wants_usage_chunks)
         return StreamResult(chunks, stack.close)
 
 
@@ -288,7 +293,8 @@ class NotifyFlow:
             return await self._open_decode(req, d_ep, await wait, t0)
         head = head_chunks(reply, req.kind == "chat", req.wants_usage_chunks)
         source = _EarlyStream(self, req, d_ep, head, ids, wait)
-        chunks = relay(source, leg, self.parts.metrics, t0, MODE, req.wants_usage_chunks)
+        chunks = relay(source, leg, self.parts.metrics, t0, MODE, True,
+                       req.wants_usage_chunks)
         return StreamResult(chunks, source.close)
 
 

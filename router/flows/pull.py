@@ -161,18 +161,21 @@ class PullFlow:
             stack.callback(stream.close)
             return stream, stack
 
-        stream, stack = await run_leg(parts, "decode", req, call, reuse=bodies.take_fresh,
-                                      stream=True)
+        with span("decode_leg_open"):
+            stream, stack = await run_leg(parts, "decode", req, call,
+                                          reuse=bodies.take_fresh, stream=True)
         bodies.settle(prefill)
-        usage = _usage_to_apply(bodies.prefill) if req.wants_usage_chunks else None
-        chunks = self._relay(stream, usage, t0, mode)
+        # Billed from P even when the client gets no usage chunk: the router counts it.
+        usage = _usage_to_apply(bodies.prefill)
+        chunks = self._relay(stream, usage, t0, mode, req.wants_usage_chunks)
         return StreamResult(chunks, stack.close)
 
     async def _relay(self, stream: EngineStream, usage: PrefillUsage | None, t0: float,
-                     mode: str) -> AsyncGenerator[bytes, None]:
+                     mode: str, client_wants_usage: bool) -> AsyncGenerator[bytes, None]:
         """D's SSE bytes as they arrive; only usage chunks are rewritten (line-buffered)."""
         rewriter = UsageRewriter(lambda u: rewrite_usage(u, usage)) if usage else None
-        async for out in relay_chunks(stream.chunks(), rewriter, self.parts.metrics, t0, mode):
+        async for out in relay_chunks(stream.chunks(), rewriter, self.parts.metrics, t0, mode,
+                                      client_wants_usage):
             yield out
 
 

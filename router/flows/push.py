@@ -65,6 +65,7 @@ from pdgate.router.flows.push_identity import (
 from pdgate.router.policies import PickContext, choose
 from pdgate.router.pool import Endpoint
 from pdgate.router.schema import ClientRequest
+from pdgate.router.tracing import span
 
 __all__ = ["PushFlow"]
 
@@ -175,7 +176,7 @@ class PushFlow:
         o = self.parts
 
         async def call() -> bytes:
-            with o.pool.track(d_ep):
+            with o.pool.track(d_ep), span("decode_leg", **{"pdgate.engine": d_ep.url}):
                 return await o.engines.post_raw(d_ep.url, req.path, body, req.engine_headers)
 
         raw = await watch.run(asyncio.create_task(call()))
@@ -191,7 +192,8 @@ class PushFlow:
         opening = asyncio.create_task(
             self.parts.engines.open_stream(d_ep.url, req.path, body, req.engine_headers))
         try:
-            stream = await watch.run(opening)
+            with span("decode_leg_open", **{"pdgate.engine": d_ep.url}):
+                stream = await watch.run(opening)
         except BaseException:
             stack.close()
             raise
@@ -214,7 +216,8 @@ class PushFlow:
         stack.callback(watch.leg.cancel)  # a no-op once P has answered
         source = _WatchedStream(stream, watch)
         stack.callback(self._release_prefill_unless, source, watch)
-        chunks = relay(source, watch.leg, self.parts.metrics, t0, MODE, req.wants_usage_chunks)
+        chunks = relay(source, watch.leg, self.parts.metrics, t0, MODE, True,
+                       req.wants_usage_chunks)
         return StreamResult(chunks, stack.close)
 
     def _release_prefill_unless(self, source: _WatchedStream | _Continuation,
@@ -250,7 +253,8 @@ class PushFlow:
         head = head_chunks(reply, req.kind == "chat", req.wants_usage_chunks)
         source = _Continuation(self, req, d_ep, head, ids, stream, stack)
         stack.callback(self._release_prefill_unless, source, watch)
-        chunks = relay(source, watch.leg, o.metrics, t0, MODE, req.wants_usage_chunks)
+        chunks = relay(source, watch.leg, o.metrics, t0, MODE, True,
+                       req.wants_usage_chunks)
         return StreamResult(chunks, stack.close)
 
 

@@ -17,6 +17,7 @@ from pdgate.router.errors import NoEndpointAvailable
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies.base import PickContext, Policy, PolicyEnv
 from pdgate.router.pool import Endpoint, EndpointPool, Role
+from pdgate.router.tracing import span
 
 __all__ = ["Selector", "choose"]
 
@@ -93,4 +94,9 @@ async def choose(
         candidates = [ep for ep in candidates if ep not in exclude]
     if not candidates:
         raise NoEndpointAvailable(f"no healthy {role} engine available")
-    return await selector.select(role, candidates, ctx)
+    with span("choose_engine", **{"pdgate.role": role,
+                                  "pdgate.candidates": len(candidates)}) as traced:
+        ep = await selector.select(role, candidates, ctx)
+        if traced is not None:
+            traced.set_attribute("pdgate.engine", ep.url)
+    return ep

@@ -4,6 +4,7 @@ client's `traceparent` through the router to both engine legs."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -35,6 +36,8 @@ class Span:
     span_id: str
     parent_id: str
     attributes: dict[str, Any]
+    start_ns: int = 0
+    end_ns: int = 0
 
 
 class Receiver:
@@ -54,9 +57,10 @@ class Receiver:
                     for ss in rs.scope_spans:
                         for s in ss.spans:
                             attrs = {a.key: _value(a.value) for a in s.attributes}
-                            received.append(Span(res["service.name"], s.name,
-                                                 s.trace_id.hex(), s.span_id.hex(),
-                                                 s.parent_span_id.hex(), attrs))
+                            received.append(Span(
+                                res["service.name"], s.name, s.trace_id.hex(),
+                                s.span_id.hex(), s.parent_span_id.hex(), attrs,
+                                s.start_time_unix_nano, s.end_time_unix_nano))
                 reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/x-protobuf")
@@ -122,16 +126,26 @@ def test_one_trace_from_the_client_through_the_router_to_both_legs(
         "model": "tiny", "prompt": "Hello tracing", "max_tokens": 4, "ignore_eos": True,
     }, headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
     assert reply.status_code == 200, reply.text
-    # The router's 3 spans, and per engine leg its request span with queue, prefill and
+    # The router's 6 spans, and per engine leg its request span with queue, prefill and
     # decode inside (plus kv_transfer on D).
-    spans = spans_of(receiver, CLIENT_TRACE, 3 + 4 + 5)
+    spans = spans_of(receiver, CLIENT_TRACE, 6 + 4 + 5)
     routers = [s for s in spans if s.service == "pdgate-router" and s.parent_id == CLIENT_SPAN]
     assert [s.name for s in routers] == ["POST /v1/completions"], spans
     router = routers[0]
     inner = sorted(s.name for s in spans if s.service == "pdgate-router" and s is not router)
-    assert inner == ["decode_leg", "prefill_leg"], spans
-    assert all(s.parent_id == router.span_id for s in spans
-               if s.service == "pdgate-router" and s is not router)
+    # Pull + round-robin needs no tokens, so no tokenize span.
+    assert inner == ["admission_wait", "choose_engine", "choose_engine", "decode_leg",
+                     "prefill_leg"], spans
+    chosen = {s.attributes["pdgate.role"]: s.attributes["pdgate.engine"] for s in spans
+              if s.name == "choose_engine"}
+    assert chosen == {"prefill": cluster.prefill[0], "decode": cluster.decode[0]}
+    by_name = {s.name: s for s in spans if s.service == "pdgate-router"}
+    for name in ("admission_wait", "prefill_leg", "decode_leg"):
+        assert by_name[name].parent_id == router.span_id
+    # Each leg's engine choice happens inside that leg.
+    legs_of = {by_name["prefill_leg"].span_id: "prefill", by_name["decode_leg"].span_id: "decode"}
+    assert {legs_of[s.parent_id]: s.attributes["pdgate.role"] for s in spans
+            if s.name == "choose_engine"} == {"prefill": "prefill", "decode": "decode"}
     assert router.parent_id == CLIENT_SPAN  # continues the client's trace
     assert router.attributes["http.response.status_code"] == 200
     assert router.attributes["pdgate.request_id"] == reply.headers["x-pdgate-request-id"]
@@ -144,6 +158,36 @@ def test_one_trace_from_the_client_through_the_router_to_both_legs(
     assert all(s.parent_id == router.span_id for s in legs)
     assert {s.attributes["pdgate.request_id"] for s in legs} == {
         reply.headers["x-pdgate-request-id"]}
+
+
+STREAM_TRACE = "5af92f3577b34da6a3ce929d0e0e4737"
+
+
+def test_a_streamed_request_shows_its_decode_stream_and_first_token(
+    traced: tuple[Cluster, Receiver],
+) -> None:
+    cluster, receiver = traced
+    with httpx.stream("POST", cluster.router + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": "Hello streamed tracing", "max_tokens": 4,
+        "ignore_eos": True, "stream": True,
+    }, headers={"traceparent": f"00-{STREAM_TRACE}-{CLIENT_SPAN}-01"}) as reply:
+        assert reply.status_code == 200
+        body = b"".join(reply.iter_bytes())
+    assert body.endswith(b"data: [DONE]\n\n")
+    events = [json.loads(line[6:]) for line in body.split(b"\n")
+              if line.startswith(b"data: {")]
+    # Not asked for: the router counted the final usage chunk, the client never sees it.
+    assert events and all(e["choices"] and e.get("usage") is None for e in events)
+    spans = spans_of(receiver, STREAM_TRACE, 8 + 4 + 5)
+    (router,) = [s for s in spans if s.service == "pdgate-router" and s.parent_id == CLIENT_SPAN]
+    inner = {s.name: s for s in spans if s.service == "pdgate-router" and s is not router}
+    assert {"prefill_leg", "decode_leg_open", "decode_stream", "first_token"} <= set(inner)
+    first, stream = inner["first_token"], inner["decode_stream"]
+    assert first.start_ns <= inner["prefill_leg"].start_ns  # it starts at the arrival
+    assert stream.start_ns < first.end_ns <= stream.end_ns  # the first byte went out in it
+    assert first.attributes["pdgate.ttft_s"] > 0
+    for name in ("prefill_leg", "decode_leg_open", "decode_stream", "first_token"):
+        assert inner[name].parent_id == router.span_id, name
 
 
 def test_probes_are_not_traced(traced: tuple[Cluster, Receiver]) -> None:

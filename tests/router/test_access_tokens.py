@@ -52,11 +52,18 @@ async def test_a_stream_counts_its_usage_chunk_once(pd: PD) -> None:
     assert usage["completion_tokens"] == len(d.tokens)
 
 
-async def test_a_stream_without_usage_chunks_is_not_counted(pd: PD) -> None:
-    _, _, router = pd
+async def test_a_stream_without_usage_chunks_is_counted_and_sent_none(pd: PD) -> None:
+    _, d, router = pd
     resp = await router.client.post("/v1/completions", json={**BODY, "stream": True})
-    assert sse_events(resp.text)[-1] == "[DONE]"
-    assert tokens(router) == (0, 0)
+    events = sse_events(resp.text)
+    assert events[-1] == "[DONE]"
+    # D was asked for its usage chunk; the client, who did not ask, gets every token chunk
+    # and no usage, and the router counted the tokens billed (prompt from P).
+    assert d.requests[-1].body["stream_options"] == {"include_usage": True}
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert len(chunks) == len(d.tokens) and all(c["choices"] and not c.get("usage")
+                                                for c in chunks)
+    assert tokens(router) == (PREFILL_PROMPT_TOKENS, len(d.tokens))
 
 
 async def test_the_access_line_carries_the_fallback_reason(

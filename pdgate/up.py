@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEMO_PROMPT = "The quick brown fox"
+RANDOM_WEIGHTS_NOTE = ("note            : the built-in tiny model has random weights, so this "
+                       "text is gibberish by design;\n                  what the demo shows is "
+                       "the P/D path: the engines used and the KV bytes moved")
 
 
 @dataclass
@@ -188,6 +191,16 @@ def _served_name(args: argparse.Namespace) -> str:
     return Path(args.model).name
 
 
+def _is_tiny(model_dir: Path) -> bool:
+    """Whether `model_dir` holds the built-in tiny model (its config is the tiny one)."""
+    from pdgate.engine_shim.tiny import TINY_CONFIG
+
+    try:
+        return bool(json.loads((model_dir / "config.json").read_text()) == TINY_CONFIG)
+    except (OSError, ValueError):
+        return False
+
+
 def _resolve_model(args: argparse.Namespace) -> str:
     if args.model != "tiny":
         return str(Path(args.model).resolve())
@@ -254,6 +267,8 @@ def run_demo(args: argparse.Namespace, router_url: str, engines: list[Child]) ->
     choices = reply.get("choices") or [{}]
     text = choices[0].get("text", "") if isinstance(choices, list) else ""
     print(f"\nsample request  : {DEMO_PROMPT!r}\nanswer          : {text!r}")
+    if args.model == "tiny" or _is_tiny(Path(args.model)):
+        print(RANDOM_WEIGHTS_NOTE)
     print(f"prefill engine  : {headers.get('x-pdgate-prefill-engine', '?')}")
     print(f"decode engine   : {headers.get('x-pdgate-decode-engine', '?')}")
     how = "READ" if args.pd_mode == "pull" else "WRITE"

@@ -119,6 +119,7 @@ def test_sample_request_and_clean_shutdown(tiny_model_dir: Path, tmp_path: Path)
     assert c.stop(signal.SIGINT) == 0
     out = c.console + (c.proc.stdout.read() if c.proc.stdout else "")
     assert "answer" in out and "KV bytes moved" in out, out
+    assert "the built-in tiny model has random weights, so this text is gibberish" in out, out
     moved = int(out.split("KV bytes moved  :")[1].split()[0])
     assert moved > 0, out
     assert not [p for p in children if pid_alive(p)]

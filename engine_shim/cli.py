@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         engine = Engine.load(engine_config(args), ShimMetrics.create())
     except (ValueError, OSError) as e:
-        print(f"pdgate shim: cannot load the model: {e}", file=sys.stderr)
+        log.error("cannot load the model: %s", e)
         return 1
     factory = None
     if not args.no_kv_transfer:

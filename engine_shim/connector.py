@@ -387,12 +387,16 @@ class KVConnector:
                 raise
             # The peer may have restarted since we met it: re-handshake once, and read again
             # only when it really is a new agent (else the first error stands).
-            log.info("read from %s failed; re-handshaking", req.engine_id)
+            log.warning("request %s: read from %s failed (%s); re-handshaking",
+                        req.request_id, req.engine_id, e)
             await self._submit(lambda: self._get_reader().drop_peer(req.engine_id))
             new_peer, _ = await self._peer(req)
             if new_peer.agent_name == peer.agent_name:
                 raise
-            return await self._read(new_peer, req, local, num_tokens)
+            nbytes = await self._read(new_peer, req, local, num_tokens)
+            log.info("request %s: read from %s recovered: it restarted as agent %s",
+                     req.request_id, req.engine_id, new_peer.agent_name)
+            return nbytes
 
     async def _read(self, peer: Peer, req: PullParams, local: list[int],
                     num_tokens: int | None) -> int:

@@ -38,6 +38,7 @@ import torch
 from pdgate.engine_shim.kv_cache import BlockPool, PagedKVCache
 from pdgate.engine_shim.kv_events import KVEventPublisher
 from pdgate.engine_shim.kv_layout import LAYOUT_NAME
+from pdgate.engine_shim.logs import fold_library_loggers
 from pdgate.engine_shim.metrics import ShimMetrics
 from pdgate.engine_shim.model import LlamaModel
 from pdgate.engine_shim.prefix_cache import PrefixCache
@@ -237,6 +238,8 @@ class Engine:
 
         from pdgate.engine_shim.tiny import ensure_tiny_model
 
+        fold_library_loggers()  # the import gave `transformers` a stderr handler of its own
+
         model_dir = ensure_tiny_model() if config.model == "tiny" else Path(config.model)
         dtype = config.dtype or ("float32" if config.device == "cpu" else None)
         model = LlamaModel.from_pretrained(model_dir, device=config.device, dtype=dtype)
@@ -327,14 +330,15 @@ class Engine:
         Raises PromptTooLong (400), OutOfKVBlocks (503, no blocks within
         `admission_timeout`) or EngineStopped (503). The caller must close the returned
         stream (`async with`) on every path."""
+        opened = time.perf_counter()
         try:
             with span("queue", **{"pdgate.prompt_tokens": len(req.prompt_ids)}):
-                return await self._admit(req)
+                return await self._admit(req, opened)
         except (EngineError, asyncio.CancelledError) as e:
             self._push_abandoned(req, f"not admitted: {type(e).__name__}: {e}")
             raise
 
-    async def _admit(self, req: GenerateRequest) -> RequestStream:
+    async def _admit(self, req: GenerateRequest, opened: float) -> RequestStream:
         if not self.scheduler.running:
             raise EngineStopped("engine is not running")
         n = len(req.prompt_ids)
@@ -346,6 +350,8 @@ class Engine:
                 f" you requested {n + req.max_tokens} tokens ({n} in the prompt,"
                 f" {req.max_tokens} in the completion). Please reduce the prompt or max_tokens."
             )
+        if not req.model:  # the metrics' model label
+            req = dataclasses.replace(req, model=self.served_model_names[0])
         if req.sampling.seed is None and self._seeds is not None and not req.sampling.greedy:
             seeded = dataclasses.replace(req.sampling, seed=self._seeds.getrandbits(63))
             req = dataclasses.replace(req, sampling=seeded)
@@ -368,7 +374,7 @@ class Engine:
                     f"{self.scheduler.blocks_for(n)} blocks ({self.pool.num_free} of "
                     f"{self.pool.num_total} free); retry later or send a shorter prompt"
                 )
-        return RequestStream(self, seq)
+        return RequestStream(self, seq, opened)
 
     async def reserve(self, request_id: str, num_tokens: int) -> Reservation:
         """Notify mode (D): set aside the blocks of a `num_tokens` prompt that P will WRITE,
@@ -381,7 +387,8 @@ class Engine:
             raise PromptTooLong(f"cannot reserve {num_tokens} tokens "
                                 f"(max_model_len {self.max_model_len})")
         placeholder = GenerateRequest(request_id=request_id, prompt_ids=(0,) * num_tokens,
-                                      sampling=SamplingParams(), max_tokens=1)
+                                      sampling=SamplingParams(), max_tokens=1,
+                                      model=self.served_model_names[0])
         seq = Sequence(req=placeholder, detok=IncrementalDetokenizer(self.tokenizer, ()),
                        eos_ids=self.eos_ids, max_model_len=self.max_model_len,
                        admit_order=next(self._admit_counter))
@@ -403,12 +410,13 @@ class Engine:
     def _kv_load_failed(self, seq: Sequence) -> None:
         """The remote KV of `seq` could not be used: count it, then recompute the prompt
         (the caller goes on) or, under the "fail" policy, end the request with a 502."""
+        series = self.metrics.series(seq.req.model)
         if self.config.kv_load_failure_policy == "fail":
-            self.metrics.requests.labels(role="decode", status="kv_load_failed").inc()
+            series.count_request("decode", "kv_load_failed")
             raise KVLoadFailed(
                 f"request {seq.req.request_id}: the prompt's KV could not be loaded from the "
                 "prefill engine (kv_load_failure_policy=fail)")
-        self.metrics.requests.labels(role="decode", status="recompute").inc()
+        series.count_request("decode", "recompute")
 
     def _claim_reservation(self, seq: Sequence) -> bool:
         """A notify-mode decode takes its reserved blocks; True when they cover the prompt
@@ -499,7 +507,7 @@ class Engine:
         """A decode asked to continue after P's token cannot learn that token: fail it (the
         router, which streamed P's token, continues it elsewhere) instead of sampling anew."""
         if seq.req.continue_after_prefill:
-            self.metrics.requests.labels(role="decode", status="kv_load_failed").inc()
+            self.metrics.series(seq.req.model).count_request("decode", "kv_load_failed")
             raise KVLoadFailed(f"request {seq.req.request_id}: no token from the prefill "
                                "engine to continue after (its KV push did not land)")
 
@@ -663,13 +671,22 @@ class RequestStream:
     """Async iterator of a request's `StepOutput`s; the last has `finish_reason` set.
 
     Use as `async with await engine.open(req) as stream: async for out in stream: ...`; leaving
-    the block early (client disconnect, error) cancels the request and frees its blocks."""
+    the block early (client disconnect, error) cancels the request and frees its blocks.
 
-    def __init__(self, engine: Engine, seq: Sequence) -> None:
+    The work (a decode's KV transfer, then the model) starts on the first read, so the time
+    between admission and that read is the HTTP layer's: the caller names what it does
+    there in `waits_for` (the `await_reader` span's `pdgate.waited_for`). `opened` is the
+    `time.perf_counter()` of `Engine.open`, where TTFT and duration are measured from."""
+
+    waits_for = "reader"
+
+    def __init__(self, engine: Engine, seq: Sequence, opened: float) -> None:
         self._engine = engine
         self._seq = seq
         self._started = False
         self._done = False
+        self._opened = opened
+        self._admitted_ns = time.time_ns()
 
     @property
     def request_id(self) -> str:
@@ -694,6 +711,9 @@ class RequestStream:
         seq = self._seq
         if not self._started:
             self._started = True
+            # Admitted at the end of `queue`; nothing ran for this request until now.
+            record_span("await_reader", self._admitted_ns, time.time_ns(), **{
+                "pdgate.waited_for": self.waits_for})
             await self._engine._prepare(seq)
         if self._done:
             return
@@ -703,6 +723,8 @@ class RequestStream:
         if isinstance(item, BaseException):
             self._done = True
             raise item
+        series, role = self._engine.metrics.series(seq.req.model), seq.req.role.value
+        series.observe_ttft(role, time.perf_counter() - self._opened)
         # The decode span covers yields, so it is recorded once the stream ends, between
         # the first token and the last output (no current span outlives this frame).
         first = time.time_ns()
@@ -712,6 +734,8 @@ class RequestStream:
                     self._done = True
                     raise item
                 self._done = item.finish_reason is not None
+                if self._done:
+                    series.observe_duration(role, time.perf_counter() - self._opened)
                 yield item
                 if self._done:
                     return

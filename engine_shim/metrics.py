@@ -1,8 +1,16 @@
-"""Prometheus metrics of one shim engine (`pdgate_shim_` prefix) on an injected registry."""
+"""Prometheus metrics of one shim engine (`pdgate_shim_` prefix) on an injected registry.
+
+The series about requests (counts, prompt and generation tokens, time to first token,
+duration) carry a `model` label, the served model name the request asked for (the first
+`--served-model-name` when it named none), so an operator running several models behind one
+router splits them with `sum by (model)`; the series about the engine itself (KV blocks,
+transfers, handshakes, the transport probe) carry none. Record a request's series through
+`ShimMetrics.series(model)`, which hands out pre-bound children (no label lookup per token).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -16,6 +24,38 @@ _TRANSFER_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
     0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 )
+# Seconds, the router's buckets (router/metrics.py): a first token in a millisecond on a tiny
+# model, a minute behind a long queue; a whole generation up to four hours.
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+_DURATION_BUCKETS = _LATENCY_BUCKETS + (120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0,
+                                        14400.0)
+
+
+@dataclass(frozen=True)
+class ModelSeries:
+    """One served model's request series (`ShimMetrics.series`): the token counters bound
+    to its `model` label (they are counted per token), the rest labelled per request.
+    `role` is the request's KV role value: colocated, prefill or decode."""
+
+    model: str
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    _requests: Counter
+    _ttft: Histogram
+    _duration: Histogram
+
+    def count_request(self, role: str, status: str) -> None:
+        self._requests.labels(model=self.model, role=role, status=status).inc()
+
+    def observe_ttft(self, role: str, seconds: float) -> None:
+        """Engine.open() called -> first output read (admission, KV transfer, prefill)."""
+        self._ttft.labels(model=self.model, role=role).observe(seconds)
+
+    def observe_duration(self, role: str, seconds: float) -> None:
+        """Engine.open() called -> last output read, for a request that finished."""
+        self._duration.labels(model=self.model, role=role).observe(seconds)
 
 
 @dataclass(frozen=True)
@@ -45,16 +85,44 @@ class ShimMetrics:
     kv_probe_emulated: Gauge
     protocol_errors: Counter
     http_refused: Counter
+    ttft: Histogram
+    request_duration: Histogram
+    _series: dict[str, ModelSeries] = field(default_factory=dict)
+
+    def series(self, model: str) -> ModelSeries:
+        """The request series of `model` (a served model name), created on first use. Call
+        on the event-loop thread (the engine and scheduler do)."""
+        got = self._series.get(model)
+        if got is None:
+            got = self._series[model] = ModelSeries(
+                model, self.prompt_tokens.labels(model=model),
+                self.generation_tokens.labels(model=model), self.requests, self.ttft,
+                self.request_duration,
+            )
+        return got
 
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ShimMetrics:
         reg = registry if registry is not None else NoCreatedRegistry()
         return cls(
             registry=reg,
-            requests=Counter(_P + "requests", "Requests served", ["role", "status"], registry=reg),
-            prompt_tokens=Counter(_P + "prompt_tokens", "Prompt tokens computed", registry=reg),
+            requests=Counter(_P + "requests", "Requests served", ["model", "role", "status"],
+                             registry=reg),
+            prompt_tokens=Counter(
+                _P + "prompt_tokens", "Prompt tokens computed", ["model"], registry=reg
+            ),
             generation_tokens=Counter(
-                _P + "generation_tokens", "Tokens generated", registry=reg
+                _P + "generation_tokens", "Tokens generated", ["model"], registry=reg
+            ),
+            ttft=Histogram(
+                _P + "time_to_first_token_seconds", "From the engine's admission of a request "
+                "(after tokenizing) to its first output: queue, KV transfer (decode role) and "
+                "prefill", ["model", "role"], buckets=_LATENCY_BUCKETS, registry=reg,
+            ),
+            request_duration=Histogram(
+                _P + "request_duration_seconds", "From the engine's admission of a request to "
+                "its last output, for requests that finished", ["model", "role"],
+                buckets=_DURATION_BUCKETS, registry=reg,
             ),
             # Not `_total`: that suffix means a counter to Prometheus tooling.
             blocks_total=Gauge(

@@ -23,6 +23,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 import numpy.typing as npt
 
+from pdgate.engine_shim.logs import fold_library_loggers
 from pdgate.engine_shim.transfer_errors import NixlAgentError
 
 XferOp = Literal["READ", "WRITE"]
@@ -94,6 +95,7 @@ class NixlAgent:
             from nixl._api import nixl_agent, nixl_agent_config
         except ImportError as e:
             raise NixlAgentError(f"nixl is not installed: {e}") from e
+        fold_library_loggers()  # the import gave `nixl` a stdout handler of its own
         config = nixl_agent_config(
             enable_prog_thread=False, enable_listen_thread=False,
             capture_telemetry=telemetry, backends=["UCX"],

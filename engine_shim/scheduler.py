@@ -176,7 +176,7 @@ class Scheduler:
             self._wake.set()
         if seq.finish_reason is None:
             seq.finish_reason = "abort"
-        self.metrics.requests.labels(role=seq.req.role.value, status=status).inc()
+        self.metrics.series(seq.req.model).count_request(seq.req.role.value, status)
         if self._on_release is not None:
             self._on_release(seq, status)
 
@@ -333,9 +333,10 @@ class Scheduler:
             if self.pool.cache is not None and w.start < seq.num_prompt <= seq.num_computed:
                 self._register_prompt(seq)
             prompt_part = max(0, min(seq.num_prompt, seq.num_computed) - w.start)
+            series = self.metrics.series(seq.req.model)
             if prompt_part:
-                self.metrics.prompt_tokens.inc(prompt_part)
-            self.metrics.generation_tokens.inc()
+                series.prompt_tokens.inc(prompt_part)
+            series.generation_tokens.inc()
             out = seq.append(token)
             if seq.finished:
                 self._running.remove(seq)

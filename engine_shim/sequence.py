@@ -79,7 +79,9 @@ class GenerateRequest:
     no transfer). `first_token_ids` continue a generation begun elsewhere: tokens the
     prefill engine sampled and the client already has; they count as output (max_tokens,
     usage) but their text is not sent again. `continue_after_prefill` (a push decode leg)
-    asks to continue after the token(s) P's landed notice names, instead of sampling."""
+    asks to continue after the token(s) P's landed notice names, instead of sampling.
+    `model` is the served model name the request asked for, its metrics' `model` label
+    ("": the engine's first served name, filled in at admission)."""
 
     request_id: str
     prompt_ids: tuple[int, ...]
@@ -95,6 +97,7 @@ class GenerateRequest:
     remote_block_ids: tuple[int, ...] = ()
     first_token_ids: tuple[int, ...] = ()
     continue_after_prefill: bool = False
+    model: str = ""
 
     @property
     def continues_stream(self) -> bool:

@@ -39,6 +39,7 @@ from pdgate.engine_shim.auth import EngineAuth
 from pdgate.engine_shim.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from pdgate.engine_shim.engine import Engine, EngineError, KVTransfer, RequestStream
 from pdgate.engine_shim.sequence import GenerateRequest, KVRole, StepOutput
+from pdgate.engine_shim.tracing import span
 from pdgate.proxy.kv_contract import PushDecodeParams
 
 log = logging.getLogger(__name__)
@@ -138,7 +139,8 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
         req = ot.decode_request(await request.body(), ot.CompletionRequest)
         prompt = ot.completion_prompt(req.prompt)
         if isinstance(prompt, str):
-            ids = engine.encode(prompt, add_special_tokens=req.add_special_tokens)
+            with span("tokenize", **{"pdgate.prompt_chars": len(prompt)}):
+                ids = engine.encode(prompt, add_special_tokens=req.add_special_tokens)
         else:
             ids = _check_token_ids(engine, prompt)
         return await _serve(engine, request, req, ids, chat=False)
@@ -151,7 +153,8 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
             text = engine.render_chat(messages)
         except Exception as e:  # a template may raise on roles it does not know
             raise ot.RequestError(f"chat template failed: {e}", param="messages") from e
-        ids = engine.encode(text, add_special_tokens=req.add_special_tokens)
+        with span("tokenize", **{"pdgate.prompt_chars": len(text)}):
+            ids = engine.encode(text, add_special_tokens=req.add_special_tokens)
         return await _serve(engine, request, req, ids, chat=True)
 
     @app.get("/v1/models")
@@ -212,6 +215,9 @@ async def _serve(
     """Validate the rest of the request, admit it, and answer as JSON or SSE."""
     gen, model = _generate_request(engine, request, req, prompt_ids, chat=chat)
     stream = await engine.open(gen)
+    # What the request waits behind before its first read starts the work (a decode's KV
+    # transfer): the SSE status and headers are sent first; a JSON answer's collector task.
+    stream.waits_for = "response_head" if req.stream else "collector_task"
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     head = ot.ReplyHead(id=f"{'chatcmpl' if chat else 'cmpl'}-{gen.request_id}",
                         created=int(time.time()), model=model, include_usage=include_usage)
@@ -271,6 +277,7 @@ def _generate_request(
         if params is not None and role is not KVRole.NONE else (),
         first_token_ids=ot.first_token_ids(kv, engine.model.config.vocab_size, budget),
         continue_after_prefill=isinstance(leg, PushDecodeParams) and leg.continue_after_prefill,
+        model=req.model or names[0],
     )
     return gen, req.model or names[0]
 

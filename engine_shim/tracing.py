@@ -2,11 +2,14 @@
 HTTP request, continuing the router's `traceparent`, so each engine leg hangs under the
 router's request span. Off unless `--otlp-traces-endpoint` or the OTEL_* environment asks.
 
-Inside a request (engine.py): `queue` (admission: waiting for KV blocks), `kv_transfer` (D:
-the prompt's KV from P; mode pull = READ, notify/push = P's WRITE landing; bytes,
-descriptors = blocks, peer), `prefill` (submitted to the loop -> first token) and `decode`
-(first token -> last), all children of the request's span. `span` opens one; `annotate`
-adds attributes to the current one (e.g. the bytes once a transfer is done).
+Inside a request: `tokenize` (server.py; a text prompt, or a chat rendered by its template,
+to token ids), then in engine.py `queue` (admission: waiting for KV blocks), `await_reader`
+(admitted -> the first read of the stream, which starts the work; `pdgate.waited_for`:
+`response_head` when the SSE status and headers go out first, `collector_task` for a JSON
+answer), `kv_transfer` (D: the prompt's KV from P; mode pull = READ, notify/push = P's WRITE
+landing; bytes, descriptors = blocks, peer), `prefill` (submitted to the loop -> first
+token) and `decode` (first token -> last), all children of the request's span. `span` opens
+one; `annotate` adds attributes to the current one (e.g. the bytes once a transfer is done).
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ drives P through a pipe (hold blocks, read its bytes, report its pool and metric
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing as mp
 import os
 import time
@@ -296,8 +297,9 @@ async def test_pull_from_nowhere_fails_within_deadline(
 
 
 async def test_restarted_peer_is_handshaken_again(
-    decode: tuple[KVConnector, PagedKVCache, ShimMetrics]
+    decode: tuple[KVConnector, PagedKVCache, ShimMetrics], caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="pdgate.engine_shim.connector")
     conn, kv, metrics = decode
     reg = metrics.registry
     old = _spawn_p("prefill-r", LAYOUT, lease_seconds=60.0)
@@ -321,6 +323,10 @@ async def test_restarted_peer_is_handshaken_again(
     assert reg.get_sample_value("pdgate_shim_kv_transfers_total", {"op": "read"}) == 3
     assert reg.get_sample_value(  # the pull that found out by failing still succeeded
         "pdgate_shim_kv_transfer_failures_total", {"op": "read", "reason": "transfer"}) is None
+    # The failed read is a WARNING, the recovery an INFO.
+    said = [(r.levelno, r.getMessage()) for r in caplog.records
+            if "re-handshaking" in r.getMessage() or "recovered" in r.getMessage()]
+    assert [level for level, _ in said] == [logging.WARNING, logging.INFO], said
 
 
 async def test_pull_does_not_block_the_event_loop(

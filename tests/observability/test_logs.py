@@ -1,10 +1,13 @@
-"""`--log-format json` on a real router and real shims (`pdgate up`): every router line is
-one JSON object, uvicorn's own lines included; each request gets one access line with what
-an operator asks first; the request id is on it."""
+"""`--log-format json` on a real router and real shims (`pdgate up`): every router and shim
+line is one JSON object, uvicorn's and NIXL's own lines included; each request gets one
+access line with what an operator asks first; the request id is on it."""
 
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -71,8 +74,38 @@ def test_probes_are_not_access_logged_at_info(cluster: Cluster) -> None:
                    for x in lines(cluster, "router"))
 
 
-def test_shim_lines_are_json_too(cluster: Cluster) -> None:
-    got = [json.loads(raw) for raw in (cluster.log_dir / "decode-0.log").read_text()
-           .splitlines() if raw.startswith("{")]
-    assert any(x["logger"] == "engine_shim" and x["msg"].startswith("serving ") for x in got)
+# What native code (UCX) prints itself never passes through Python's logging.
+UCX_NATIVE = re.compile(r"^\[\d+\.\d+\] \[[^]]+\] .*\bUCX\b")
+
+
+@pytest.mark.parametrize("engine", ["prefill-0", "decode-0"])
+def test_every_shim_line_is_json_nixl_included(cluster: Cluster, engine: str) -> None:
+    raw = (cluster.log_dir / f"{engine}.log").read_text().splitlines()
+    got = [json.loads(line) for line in raw if not UCX_NATIVE.match(line)]
+    assert all({"ts", "level", "logger", "msg"} <= x.keys() for x in got)
+    assert any(x["logger"] == "pdgate.engine_shim" and x["msg"].startswith("serving ")
+               for x in got)
     assert any(x["logger"].startswith("uvicorn") for x in got)
+    # NIXL's Python API logs through its own stdout handler unless the shim folds it in.
+    assert any(x["logger"].startswith("nixl") and "NIXL agent" in x["msg"] for x in got)
+
+
+def test_shim_warnings_and_library_loggers_come_out_as_json() -> None:
+    # A library that gives its logger its own handler (as transformers and nixl do on
+    # import), and a Python warning: both as JSON lines once the shim's logging is set up.
+    code = (
+        "import logging, warnings\n"
+        "from pdgate.engine_shim.logs import fold_library_loggers, setup_logging\n"
+        "setup_logging('info', 'json')\n"
+        "lib = logging.getLogger('transformers')\n"
+        "lib.addHandler(logging.StreamHandler()); lib.propagate = False\n"
+        "fold_library_loggers()\n"
+        "lib.warning('from the library')\n"
+        "warnings.warn('a deprecation', DeprecationWarning, stacklevel=1)\n"
+    )
+    out = subprocess.run([sys.executable, "-W", "always", "-c", code], capture_output=True,
+                         text=True, timeout=60, check=True)
+    got = [json.loads(line) for line in out.stderr.splitlines()]
+    assert [(x["logger"], x["level"]) for x in got] == [
+        ("transformers", "warning"), ("py.warnings", "warning")], out.stderr
+    assert "a deprecation" in got[1]["msg"]

@@ -68,3 +68,23 @@ def test_router_counts_tokens_per_model(cluster: Cluster) -> None:
     # 5 tokens each.
     assert got[("pdgate_generation_tokens_total", frozenset({("model", "tiny")}))] == 10
     assert got[("pdgate_prompt_tokens_total", frozenset({("model", "tiny")}))] > 0
+
+
+@pytest.mark.parametrize("who", ["prefill", "decode"])
+def test_shim_request_series_carry_the_served_model(cluster: Cluster, who: str) -> None:
+    url, role = {"prefill": (cluster.prefill[0], "prefill"),
+                 "decode": (cluster.decode[0], "decode")}[who]
+    got = samples(scrape(url))
+    model = ("model", "tiny")
+    # The fixture's two P/D requests, each one leg on this engine (the 404 for model
+    # "nope" never reached an engine).
+    assert got[("pdgate_shim_requests_total",
+                frozenset({model, ("role", role), ("status", "ok")}))] == 2
+    assert got[("pdgate_shim_time_to_first_token_seconds_count",
+                frozenset({model, ("role", role)}))] == 2
+    assert got[("pdgate_shim_request_duration_seconds_count",
+                frozenset({model, ("role", role)}))] == 2
+    assert got[("pdgate_shim_prompt_tokens_total", frozenset({model}))] > 0
+    assert got[("pdgate_shim_generation_tokens_total", frozenset({model}))] > 0
+    # The engine's own gauges stay unlabelled.
+    assert ("pdgate_shim_kv_blocks_free", frozenset()) in got

@@ -126,9 +126,9 @@ def test_one_trace_from_the_client_through_the_router_to_both_legs(
         "model": "tiny", "prompt": "Hello tracing", "max_tokens": 4, "ignore_eos": True,
     }, headers={"traceparent": f"00-{CLIENT_TRACE}-{CLIENT_SPAN}-01"})
     assert reply.status_code == 200, reply.text
-    # The router's 6 spans, and per engine leg its request span with queue, prefill and
-    # decode inside (plus kv_transfer on D).
-    spans = spans_of(receiver, CLIENT_TRACE, 6 + 4 + 5)
+    # The router's 6 spans, and per engine leg its request span with tokenize, queue,
+    # await_reader, prefill and decode inside (plus kv_transfer on D).
+    spans = spans_of(receiver, CLIENT_TRACE, 6 + 6 + 7)
     routers = [s for s in spans if s.service == "pdgate-router" and s.parent_id == CLIENT_SPAN]
     assert [s.name for s in routers] == ["POST /v1/completions"], spans
     router = routers[0]
@@ -178,7 +178,7 @@ def test_a_streamed_request_shows_its_decode_stream_and_first_token(
               if line.startswith(b"data: {")]
     # Not asked for: the router counted the final usage chunk, the client never sees it.
     assert events and all(e["choices"] and e.get("usage") is None for e in events)
-    spans = spans_of(receiver, STREAM_TRACE, 8 + 4 + 5)
+    spans = spans_of(receiver, STREAM_TRACE, 8 + 6 + 7)
     (router,) = [s for s in spans if s.service == "pdgate-router" and s.parent_id == CLIENT_SPAN]
     inner = {s.name: s for s in spans if s.service == "pdgate-router" and s is not router}
     assert {"prefill_leg", "decode_leg_open", "decode_stream", "first_token"} <= set(inner)
@@ -199,7 +199,7 @@ def test_probes_are_not_traced(traced: tuple[Cluster, Receiver]) -> None:
     assert not [s for s in receiver.spans if "/health" in s.name or "/ready" in s.name]
 
 
-def test_the_shim_spans_show_queue_transfer_prefill_and_decode(
+def test_the_shim_spans_account_for_the_engines_time(
     traced: tuple[Cluster, Receiver],
 ) -> None:
     cluster, receiver = traced
@@ -209,7 +209,7 @@ def test_the_shim_spans_show_queue_transfer_prefill_and_decode(
         "ignore_eos": True, "stream": True,
     }, headers={"traceparent": f"00-{trace}-{CLIENT_SPAN}-01"})
     assert reply.status_code == 200, reply.text
-    spans = spans_of(receiver, trace, 3 + 4 + 5)
+    spans = spans_of(receiver, trace, 3 + 6 + 7)
     shim = [s for s in spans if s.service == "pdgate-shim"]
     legs = {s.span_id: s for s in shim if s.name == "POST /v1/completions"}
     assert len(legs) == 2, spans
@@ -218,8 +218,23 @@ def test_the_shim_spans_show_queue_transfer_prefill_and_decode(
         if s.parent_id in legs:
             inner[s.parent_id][s.name] = s
     by_role = {("D" if "kv_transfer" in names else "P"): names for names in inner.values()}
-    assert sorted(by_role["P"]) == ["decode", "prefill", "queue"], spans
-    assert sorted(by_role["D"]) == ["decode", "kv_transfer", "prefill", "queue"], spans
+    assert sorted(by_role["P"]) == ["await_reader", "decode", "prefill", "queue",
+                                    "tokenize"], spans
+    assert sorted(by_role["D"]) == ["await_reader", "decode", "kv_transfer", "prefill",
+                                    "queue", "tokenize"], spans
+    # Between admission and the KV transfer D sends its SSE head (the router streams the
+    # decode leg); P answers the router's prefill leg as JSON.
+    assert by_role["D"]["await_reader"].attributes["pdgate.waited_for"] == "response_head"
+    assert by_role["P"]["await_reader"].attributes["pdgate.waited_for"] == "collector_task"
+    assert by_role["D"]["tokenize"].attributes["pdgate.prompt_chars"] > 0
+    # The children follow each other with no gap left uncovered between them (a few ms of
+    # scheduling on a loaded test machine at most; the queue -> kv_transfer gap was 10-30).
+    for names in by_role.values():
+        order = sorted(names.values(), key=lambda s: s.start_ns)
+        assert [s.name for s in order][:3] == ["tokenize", "queue", "await_reader"], order
+        for before, after in zip(order, order[1:], strict=False):
+            gap_ms = (after.start_ns - before.end_ns) / 1e6
+            assert gap_ms < 10, f"{gap_ms:.1f} ms uncovered before {after.name}: {order}"
     kv = by_role["D"]["kv_transfer"].attributes
     # Pull mode: D READs the prompt's blocks from P, whose NIXL side channel it names.
     assert (kv["pdgate.kv.mode"], kv["pdgate.kv.op"]) == ("pull", "READ")

@@ -2,7 +2,8 @@
 Debian's sprig, the engine Helm uses) once per session and run it.
 
 Needs Debian's golang-go, golang-github-masterminds-sprig-dev and golang-k8s-sigs-yaml-dev
-(.ci/run installs them). Without them the tests skip locally and fail under CI=true.
+(`make test` installs them when run as root). Without them the tests skip locally and fail
+under CI=true.
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ def chromium_binary() -> str:
     for name in ("chromium", "chromium-browser", "google-chrome"):
         if path := shutil.which(name):
             return path
-    reason = "chromium is not installed (apt-get install chromium; .ci/run installs it)"
+    reason = "chromium is not installed (apt-get install chromium; make test does as root)"
     if os.environ.get("CI"):
         pytest.fail(reason)
     pytest.skip(reason)

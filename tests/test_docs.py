@@ -15,13 +15,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# `\s+` between words, so a phrase broken across lines counts too.
 STALE = [re.compile(p, re.IGNORECASE) for p in (
-    r"not measured yet",
-    r"does not exist (in the shim )?yet",
-    r"\bissue #?\d+\b",
+    r"not\s+measured\s+yet",
+    r"does\s+not\s+exist\s+(in\s+the\s+shim\s+)?yet",
+    r"\bissue\s+#?\d+\b",
     r"design\.md",
-    r"this session",
-    r"before this .* fix",
+    r"this\s+session",
+    r"before this .* fix",  # within one line
     r"§\d",
 )]
 # Backtick spans that name a repository path: these top-level entries, then a path.
@@ -53,13 +54,13 @@ def python_files(root: Path = ROOT) -> list[Path]:
 
 
 def stale_markers(name: str, text: str) -> list[str]:
-    """`name:line: marker` for each stale marker in `text`."""
+    """`name:line: marker` for each stale marker in `text` (the line it starts on)."""
     found = []
-    for lineno, line in enumerate(text.splitlines(), 1):
-        for pattern in STALE:
-            if m := pattern.search(line):
-                found.append(f"{name}:{lineno}: {m.group(0)!r}")
-    return found
+    for pattern in STALE:
+        for m in pattern.finditer(text):
+            lineno = text.count("\n", 0, m.start()) + 1
+            found.append((lineno, f"{name}:{lineno}: {' '.join(m.group(0).split())!r}"))
+    return [hit for _, hit in sorted(found)]
 
 
 def prose_of_python(source: str) -> str:
@@ -129,13 +130,15 @@ def test_the_checks_cover_the_docs_and_sources() -> None:
 
 def test_the_checker_catches_planted_mistakes(tmp_path: Path) -> None:
     doc = tmp_path / "planted.md"
-    doc.write_text("Figures: not measured yet (see Issue #12, §3 of design.md).\n"
+    doc.write_text("Figures: not measured yet (see Issue #12, §3 of design.md). It does\n"
+                   "  not exist yet.\n"
                    "Read `router/flows/pull.py`, `router/no_such_module.py` and "
                    "[the flows](../no_such_doc.md); [ok](planted.md#top), "
                    "[web](https://example.com/x.md).\n")
-    assert len(stale_markers("planted.md", doc.read_text())) == 4
+    assert len(stale_markers("planted.md", doc.read_text())) == 5
+    assert "planted.md:1: 'does not exist yet'" in stale_markers("planted.md", doc.read_text())
     missing = missing_paths(doc)
-    assert missing == [f"{doc}:2: router/no_such_module.py", f"{doc}:2: ../no_such_doc.md"]
+    assert missing == [f"{doc}:3: router/no_such_module.py", f"{doc}:3: ../no_such_doc.md"]
     source = ('"""Module docstring, as it was before this session."""\n'
               'x = "issue 7 in a string is code, not prose"\n'
               'def f() -> None:\n    """Fixed before this cache fix."""\n'

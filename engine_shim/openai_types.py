@@ -90,6 +90,9 @@ class CompletionRequest(_Common, kw_only=True):
     logprobs: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
+    # vLLM's extension: the reply's choice also lists `prompt_token_ids` and `token_ids`
+    # (the router's pull flow uses them to stream P's first token early).
+    return_token_ids: bool = False
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -257,10 +260,16 @@ def usage(out: StepOutput) -> dict[str, Any]:
     }
 
 
-def completion_body(head: ReplyHead, text: str, final: StepOutput) -> dict[str, Any]:
-    """Non-streaming /v1/completions reply."""
-    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": final.finish_reason,
-              "stop_reason": final.stop_reason}
+def completion_body(head: ReplyHead, text: str, final: StepOutput,
+                    prompt_ids: list[int] | None = None) -> dict[str, Any]:
+    """Non-streaming /v1/completions reply; with `prompt_ids` (`return_token_ids`), the
+    choice lists the prompt's and the generated token ids as vLLM's does."""
+    choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+                              "finish_reason": final.finish_reason,
+                              "stop_reason": final.stop_reason}
+    if prompt_ids is not None:
+        choice["prompt_token_ids"] = prompt_ids
+        choice["token_ids"] = list(final.token_ids or ())
     return {**head.fields("text_completion"), "choices": [choice], "usage": usage(final),
             "kv_transfer_params": final.kv_transfer_params}
 

@@ -121,6 +121,8 @@ class StepOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     kv_transfer_params: dict[str, Any] | None = None
+    # The generated token ids, on the final output only (vLLM's `return_token_ids`).
+    token_ids: tuple[int, ...] | None = None
 
 
 class IncrementalDetokenizer:
@@ -270,4 +272,5 @@ class Sequence:
             num_output_tokens=self.num_output,
             num_cached_tokens=self.num_cached_tokens,
             kv_transfer_params=kv_transfer_params,
+            token_ids=tuple(self.token_ids[self.num_prompt:]) if self.finished else None,
         )

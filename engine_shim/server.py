@@ -232,7 +232,11 @@ async def _serve(
     if result is None:  # the client went away; nobody will read this
         return Response(status_code=499)
     text, final = result
-    body = ot.chat_body(head, text, final) if chat else ot.completion_body(head, text, final)
+    if isinstance(req, ot.ChatCompletionRequest):
+        body = ot.chat_body(head, text, final)
+    else:
+        ids = prompt_ids if req.return_token_ids else None
+        body = ot.completion_body(head, text, final, ids)
     return _json(body, headers=headers)
 
 

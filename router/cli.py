@@ -118,8 +118,10 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                             "notice or a never-awaited waiter"),
     ("notify_reap_interval_s", float, "notify mode: seconds between the proxy's sweeps of "
                                       "expired notices and waiters"),
-    ("early_first_token", bool, "notify/push modes: stream the prefill engine's first token "
-                                "to the client at once; the decode engine continues after it"),
+    ("early_first_token", bool, "stream the prefill engine's first token to the client at "
+                                "once; the decode engine continues after it (every mode; "
+                                "pull: completions streams, engines answering "
+                                "return_token_ids as vLLM does)"),
     ("max_concurrent_requests", int, "requests served at once; more wait in the queue"),
     ("max_queued_requests", int, "requests waiting for a slot; beyond that: 429 with "
                                  "Retry-After (0: no queue)"),

@@ -52,7 +52,7 @@ class FlowMetrics:
 
     kv_wait: Histogram  # mode: prefill dispatched -> KV ready (notify) / first decode byte
     flow_failures: Counter  # mode, reason
-    early_tokens: Counter  # result: streams opened with P's token (notify), and how D went on
+    early_tokens: Counter  # result: streams opened with P's token, and how D went on
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> FlowMetrics:
@@ -68,8 +68,8 @@ class FlowMetrics:
             ),
             early_tokens=Counter(
                 "pdgate_early_first_tokens",
-                "Notify-mode streams that sent the prefill engine's token first, by how the "
-                "decode engine went on (kv: with the written KV; recompute: the KV was lost)",
+                "Streams that sent the prefill engine's token first, by how the decode engine "
+                "went on (kv: with the transferred KV; recompute: the KV was lost)",
                 ["result"], registry=registry,
             ),
         )

@@ -29,8 +29,17 @@ from pdgate.router.engines import (
 from pdgate.router.errors import EngineTimeout, EngineUnavailable, NoEndpointAvailable, RouterError
 from pdgate.router.flows.base import FlowParts, StreamResult
 from pdgate.router.flows.bodies import decode_leg_body, prefill_leg_body
-from pdgate.router.flows.common import relay_chunks, rewrite_reply_usage
+from pdgate.router.flows.common import FlowMetrics, relay_chunks, rewrite_reply_usage
+from pdgate.router.flows.early_token import head_chunks
 from pdgate.router.flows.failover import run_leg
+from pdgate.router.flows.pull_early import (
+    ASK_TOKEN_IDS,
+    FirstToken,
+    bill,
+    continuation,
+    first_token,
+    wants_early,
+)
 from pdgate.router.pool import Endpoint
 from pdgate.router.schema import ClientRequest
 from pdgate.router.sse import UsageRewriter
@@ -47,13 +56,19 @@ class PrefillOutcome:
 
     kv_params: Any | None
     usage: PrefillUsage | None
+    first: FirstToken | None = None  # P's token, when it may open the stream (pull_early)
 
 
 class PullFlow:
-    """Runs requests in pull mode, and decode-only requests of every mode."""
+    """Runs requests in pull mode, and decode-only requests of every mode. With
+    `early_first_token`, eligible streams get P's token at once (router/flows/pull_early.py;
+    counted on `flow_metrics.early_tokens`)."""
 
-    def __init__(self, parts: FlowParts) -> None:
+    def __init__(self, parts: FlowParts, flow_metrics: FlowMetrics | None = None,
+                 early_first_token: bool = False) -> None:
         self.parts = parts
+        self.flow_metrics = flow_metrics
+        self.early_first_token = early_first_token and flow_metrics is not None
 
     async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult:
         """Serve a disaggregated request: prefill (or decode-only fallback), then decode."""
@@ -67,6 +82,9 @@ class PullFlow:
                       t0: float) -> bytes | StreamResult:
         mode = "disagg" if prefill is not None else "direct"
         try:
+            if req.stream and prefill is not None and prefill.first is not None \
+                    and prefill.kv_params is not None:
+                return self._stream_early(req, prefill, prefill.first, t0)
             if req.stream:
                 return await self.open_decode(req, prefill, t0, mode)
             return await self.run_decode(req, prefill, t0, mode)
@@ -98,7 +116,8 @@ class PullFlow:
     async def run_prefill(self, req: ClientRequest) -> PrefillOutcome:
         """P leg: send the one-token prefill and read P's KV params and usage."""
         parts = self.parts
-        body = prefill_leg_body(req.body)
+        early = self.early_first_token and wants_early(req)
+        body = prefill_leg_body({**req.body, ASK_TOKEN_IDS: True} if early else req.body)
         t0 = time.perf_counter()
 
         async def call(ep: Endpoint) -> dict[str, Any]:
@@ -119,7 +138,8 @@ class PullFlow:
             parts.metrics.count_fallback("no_kv_params")
             log.warning("request %s: prefill returned no kv_transfer_params; decode will "
                         "recompute the prompt", req.request_id)
-        return PrefillOutcome(kv, prefill_usage(reply))
+        first = first_token(reply) if early and kv is not None else None
+        return PrefillOutcome(kv, prefill_usage(reply), first)
 
     async def run_decode(self, req: ClientRequest, prefill: PrefillOutcome | None,
                          t0: float, mode: str) -> bytes:
@@ -143,8 +163,18 @@ class PullFlow:
     async def open_decode(self, req: ClientRequest, prefill: PrefillOutcome | None,
                           t0: float, mode: str) -> StreamResult:
         """Streaming D leg: open the stream (retrying before any byte), then relay it."""
-        parts = self.parts
         bodies = _DecodeBodies(self, req, prefill)
+        stream, stack = await self._open_stream(req, bodies)
+        bodies.settle(prefill)
+        # Billed from P even when the client gets no usage chunk: the router counts it.
+        usage = _usage_to_apply(bodies.prefill)
+        chunks = self._relay(stream, usage, t0, mode, req.wants_usage_chunks)
+        return StreamResult(chunks, stack.close)
+
+    async def _open_stream(self, req: ClientRequest, bodies: _DecodeBodies
+                           ) -> tuple[EngineStream, contextlib.ExitStack]:
+        """Open D's stream (retrying before any byte); the stack closes it and D's slot."""
+        parts = self.parts
 
         async def call(ep: Endpoint) -> tuple[EngineStream, contextlib.ExitStack]:
             stack = contextlib.ExitStack()
@@ -162,13 +192,40 @@ class PullFlow:
             return stream, stack
 
         with span("decode_leg_open"):
-            stream, stack = await run_leg(parts, "decode", req, call,
-                                          reuse=bodies.take_fresh, stream=True)
-        bodies.settle(prefill)
-        # Billed from P even when the client gets no usage chunk: the router counts it.
-        usage = _usage_to_apply(bodies.prefill)
-        chunks = self._relay(stream, usage, t0, mode, req.wants_usage_chunks)
+            return await run_leg(parts, "decode", req, call, reuse=bodies.take_fresh,
+                                 stream=True)
+
+    def _stream_early(self, req: ClientRequest, prefill: PrefillOutcome, first: FirstToken,
+                      t0: float) -> StreamResult:
+        """A stream that opens with P's token; D continues after it (pull_early)."""
+        stack = contextlib.ExitStack()
+        rewriter = UsageRewriter(lambda u: bill(u, first, prefill.usage))
+        chunks = relay_chunks(self._early_chunks(req, prefill, first, stack), rewriter,
+                              self.parts.metrics, t0, "disagg", req.wants_usage_chunks)
         return StreamResult(chunks, stack.close)
+
+    async def _early_chunks(self, req: ClientRequest, prefill: PrefillOutcome,
+                            first: FirstToken, stack: contextlib.ExitStack
+                            ) -> AsyncGenerator[bytes, None]:
+        """P's token, then D's continuation. After the first byte a decode that cannot
+        open ends the stream with an error event (relay_chunks); P's blocks are freed
+        unless a decode read them."""
+        bodies = _DecodeBodies(self, req, prefill, continuation(req.body, first))
+        settled = False
+        try:
+            yield head_chunks(first.reply, False, req.wants_usage_chunks)
+            stream, leg = await self._open_stream(req, bodies)
+            stack.callback(leg.close)
+            bodies.settle(prefill)
+            settled = True
+            if self.flow_metrics is not None:
+                result = "kv" if bodies.prefill is prefill else "recompute"
+                self.flow_metrics.early_tokens.labels(result).inc()
+            async for chunk in stream.chunks():
+                yield chunk
+        finally:
+            if not settled:
+                self.abort_prefill(req, prefill)
 
     async def _relay(self, stream: EngineStream, usage: PrefillUsage | None, t0: float,
                      mode: str, client_wants_usage: bool) -> AsyncGenerator[bytes, None]:
@@ -186,11 +243,12 @@ class _DecodeBodies:
     request's KV by then). Retries then carry no params, D recomputes the prompt (counted as
     a `decode_retry` fallback) and P is told to free whatever it still pins (`settle`)."""
 
-    def __init__(self, flow: PullFlow, req: ClientRequest,
-                 prefill: PrefillOutcome | None) -> None:
+    def __init__(self, flow: PullFlow, req: ClientRequest, prefill: PrefillOutcome | None,
+                 base: dict[str, Any] | None = None) -> None:
         self._flow, self._req = flow, req
+        self._base = req.body if base is None else base  # the early token's continuation
         self.prefill = prefill
-        self._body = decode_leg_body(req.body, prefill.kv_params if prefill else None)
+        self._body = decode_leg_body(self._base, prefill.kv_params if prefill else None)
         self._fresh = False  # the params were just dropped; no attempt has run without them
 
     @contextlib.contextmanager
@@ -204,7 +262,7 @@ class _DecodeBodies:
             if self.prefill is not None and self.prefill.kv_params is not None:
                 self._flow.parts.metrics.count_fallback("decode_retry")
                 self.prefill = None  # billing: D's own usage from now on
-                self._body = decode_leg_body(self._req.body, None)
+                self._body = decode_leg_body(self._base, None)
                 self._fresh = True
             raise
 

@@ -25,10 +25,10 @@ async def open_flows(
 ) -> tuple[PullFlow, Flow]:
     """The pull flow and the flow of `config.pd_mode` (the same object in pull mode).
     Notify mode starts the KV-ready proxy (its metrics on `registry`); `stack` stops it."""
-    pull = PullFlow(parts)
+    metrics = FlowMetrics.create(registry)
+    pull = PullFlow(parts, metrics, early_first_token=config.early_first_token)
     if config.pd_mode == "pull":
         return pull, pull
-    metrics = FlowMetrics.create(registry)
     if config.pd_mode == "push":
         return pull, PushFlow(parts, metrics, KVInfoCache(parts.engines),
                               early_first_token=config.early_first_token,

@@ -7,6 +7,7 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -84,6 +85,45 @@ def test_disaggregated_greedy_equals_colocated(cluster: Cluster, prompt: str) ->
     # D read exactly the prompt's blocks: every layer, K and V.
     n_blocks = -(-colocated["usage"]["prompt_tokens"] // 4)
     assert read_bytes - read_before == n_blocks * LAYERS * 2 * BLOCK_BYTES
+
+
+def stream_text(url: str, body: dict[str, object]) -> tuple[str, list[dict[str, Any]], float]:
+    """A streamed completion's text, its events and the seconds to its first data event."""
+    t0 = time.perf_counter()
+    first: float | None = None
+    events: list[dict[str, Any]] = []
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                first = first if first is not None else time.perf_counter() - t0
+                events.append(json.loads(line[6:]))
+    text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+    return text, events, first or 0.0
+
+
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["1-block", "3-blocks", "many-blocks"])
+def test_a_stream_opens_with_the_prefill_token_and_equals_colocated(
+    cluster: Cluster, prompt: str,
+) -> None:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    early = ("pdgate_early_first_tokens_total", 'result="kv"')
+    before = metric(cluster.router, *early)
+    read_before = metric(cluster.decode[0], "pdgate_shim_kv_transfer_bytes_total", "read")
+    text, events, _ = stream_text(cluster.router, body)
+    colocated = complete(cluster.decode[0], prompt, max_tokens=12)
+    # P's token first, then D's continuation: the colocated generation, token for token.
+    assert text == colocated["choices"][0]["text"]
+    assert metric(cluster.router, *early) == before + 1
+    # D continued over the transferred KV (it read the prompt's blocks, computed none).
+    n_blocks = -(-colocated["usage"]["prompt_tokens"] // 4)
+    read = metric(cluster.decode[0], "pdgate_shim_kv_transfer_bytes_total", "read")
+    assert read - read_before == n_blocks * LAYERS * 2 * BLOCK_BYTES
+    # Billed as the client's request, not D's continuation (prompt + P's token).
+    usage = events[-1]["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (
+        colocated["usage"]["prompt_tokens"], 12)
 
 
 def test_transferred_kv_bytes_equal_prefill_bytes(cluster: Cluster) -> None:

@@ -44,6 +44,10 @@ class Recorded:
         return isinstance(params, dict) and params.get("do_remote_decode") is True
 
 
+# What a token-id-listing P reports: the prompt's ids and the token it sampled ("P").
+FAKE_PROMPT_IDS = (101, 102, 103)
+FAKE_FIRST_TOKEN = 7
+
 @dataclass
 class FakeEngine:
     """Configurable fake engine. Mutate the knobs between requests as a test needs."""
@@ -70,6 +74,8 @@ class FakeEngine:
     kv_ready_delay_s: float = 0.0  # the notice trails P's reply by this much
     push_params: bool = True
     first_token_ids: list[int] | None = None  # as P: put in the reply's pdgate params
+    # As P: answer `return_token_ids` as vLLM does (the pull flow's early first token).
+    token_ids: bool = False
     # As D: a push leg asked to continue after P's token answers with one SSE error event
     # (the shim's answer when the push did not land).
     fail_continuations: bool = False
@@ -216,6 +222,9 @@ class FakeEngine:
             "total_tokens": PREFILL_PROMPT_TOKENS + 1,
             "prompt_tokens_details": {"cached_tokens": PREFILL_CACHED_TOKENS},
         }
+        if self.token_ids and rec.body.get("return_token_ids") and not chat:
+            reply["choices"][0].update(prompt_token_ids=list(FAKE_PROMPT_IDS),
+                                       token_ids=[FAKE_FIRST_TOKEN])
         if rec.body["kv_transfer_params"].get("pdgate_mode"):
             reply["kv_transfer_params"] = self._push(rec)
         else:

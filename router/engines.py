@@ -1,9 +1,9 @@
-"""The engine adapter: vLLM's HTTP API and NIXL `kv_transfer_params` contract, over aiohttp.
+"""The engine adapter: vLLM's HTTP API and NIXL `kv_transfer_params` contract, over HTTP/1.1.
 
 This is the only module that knows vLLM field names (`kv_transfer_params`, `min_tokens`, …)
-and the only one that sees aiohttp. Every aiohttp/asyncio failure, and every reply that is
-not the protocol, is translated here into the `router.errors` tree, with the engine URL in
-the message:
+and the only user of the HTTP client (router/http_client.py). Every transport failure, and
+every reply that is not the protocol, is translated here into the `router.errors` tree, with
+the engine URL in the message:
 
     connect refused / DNS / no route       -> EngineUnavailable (connect_failed=True)
     connection reset / server disconnected -> EngineUnavailable
@@ -20,9 +20,10 @@ Content-Length before reading and while reading; a stream is `text/event-stream`
 lines pass `router.sse.EventChecker` (JSON-object or `[DONE]` data events, lines of at most
 `max_sse_line_bytes`, `[DONE]` before the end). Error bodies are read up to 64 KiB only.
 
-aiohttp rather than httpx: httpx's pool scans every pooled connection on each request and
-collapses under concurrency. aiohttp's client sets TCP_NODELAY on every connection it makes
-(`BaseProtocol.connection_made`), so small SSE writes are not held back by Nagle.
+The client is router/http_client.py (asyncio Protocols and httptools' parser, keep-alive
+connections pooled per engine, TCP_NODELAY): httpx's pool scans every pooled connection on
+each request and collapses under concurrency, and aiohttp's client cost more CPU per leg
+than the rest of the router together.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
 
 from pdgate.router.config import RouterConfig
@@ -49,6 +49,14 @@ from pdgate.router.errors import (
     EngineTimeout,
     EngineUnavailable,
     RouterError,
+)
+from pdgate.router.http_client import (
+    BadResponse,
+    ConnectFailed,
+    ConnectionPool,
+    Dropped,
+    HTTPClientError,
+    Response,
 )
 from pdgate.router.sse import EventChecker, SSELineTooLong, SSEProtocolError
 
@@ -227,10 +235,17 @@ def _router_caused(path: str, status: int, culprit: str, sent: bytes) -> str | N
     return None
 
 
-async def _read_body(url: str, resp: aiohttp.ClientResponse, limit: int) -> bytes:
+def _deadline(seconds: float) -> float:
+    """`seconds` from now on the loop's clock (the client's deadlines are absolute)."""
+    return asyncio.get_running_loop().time() + seconds
+
+
+async def _read_body(url: str, resp: Response, limit: int, *, deadline: float | None = None,
+                     per_read_s: float | None = None) -> bytes:
     """The whole 2xx body, refused (`EngineReplyTooLarge`, connection closed) as soon as it
     is known to exceed `limit` bytes: by Content-Length before reading, else while reading.
-    Holds the pieces and joins them once."""
+    Each read waits until `deadline`, or `per_read_s` from its start. Holds the pieces and
+    joins them once."""
     declared = resp.content_length
     if declared is not None and declared > limit:
         resp.close()
@@ -238,25 +253,29 @@ async def _read_body(url: str, resp: aiohttp.ClientResponse, limit: int) -> byte
                                   f"is {limit} bytes")
     pieces: list[bytes] = []
     size = 0
-    while piece := await resp.content.readany():
+    while piece := await resp.read_some(deadline if per_read_s is None
+                                        else _deadline(per_read_s)):
         size += len(piece)
         if size > limit:
             resp.close()
             raise EngineReplyTooLarge(f"engine {url} sent a reply over the {limit}-byte limit")
         pieces.append(piece)
-    return b"".join(pieces)
+    resp.release()
+    return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
-async def _read_capped(resp: aiohttp.ClientResponse, cap: int = _ERROR_BODY_CAP) -> bytes:
+async def _read_capped(resp: Response, deadline: float | None,
+                       cap: int = _ERROR_BODY_CAP) -> bytes:
     """At most `cap` bytes of a body we only show part of (an error, a health reply); the
-    connection is closed instead of reading a longer body to its end."""
+    connection is closed instead of reading a longer body to its end. Releases `resp`."""
     pieces: list[bytes] = []
     size = 0
-    while size < cap and (piece := await resp.content.readany()):
-        pieces.append(piece)
-        size += len(piece)
-    if size >= cap and not resp.content.at_eof():
-        resp.close()
+    try:
+        while size < cap and (piece := await resp.read_some(deadline)):
+            pieces.append(piece)
+            size += len(piece)
+    finally:
+        resp.release()  # back to the pool only if the body was read to its end
     return b"".join(pieces)[:cap]
 
 
@@ -305,20 +324,20 @@ def _not_the_protocol(url: str, path: str, why: str) -> EngineProtocolError:
 
 @contextlib.contextmanager
 def _translate(url: str, what: str) -> Iterator[None]:
-    """Map aiohttp/asyncio exceptions raised in the block to `RouterError`s."""
+    """Map the HTTP client's failures raised in the block to `RouterError`s."""
     try:
         yield
     except RouterError:
         raise
-    except TimeoutError:  # asyncio.timeout and aiohttp.ServerTimeoutError both land here
+    except TimeoutError:  # every deadline of the client
         raise EngineTimeout(f"engine {url} timed out ({what})") from None
-    except aiohttp.ClientConnectorError as exc:
-        msg = f"cannot connect to engine {url}: {exc.os_error}"
-        raise EngineUnavailable(msg, connect_failed=True) from None
-    except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-        raise EngineUnavailable(f"engine {url} dropped the connection: {exc!r}") from None
-    except aiohttp.ClientError as exc:
-        raise EngineError(f"engine {url} request failed: {exc!r}") from None
+    except ConnectFailed as exc:
+        raise EngineUnavailable(f"cannot connect to engine {url}: {exc}",
+                                connect_failed=True) from None
+    except Dropped as exc:
+        raise EngineUnavailable(f"engine {url} dropped the connection: {exc}") from None
+    except (BadResponse, HTTPClientError) as exc:
+        raise EngineError(f"engine {url} request failed: {exc}") from None
 
 
 StreamListener = Callable[[str, RouterError | None], None]
@@ -339,7 +358,7 @@ class EngineStream:
     early drops it.
     """
 
-    def __init__(self, url: str, resp: aiohttp.ClientResponse, idle_timeout_s: float, *,
+    def __init__(self, url: str, resp: Response, idle_timeout_s: float, *,
                  max_line_bytes: int, listener: StreamListener | None = None) -> None:
         self._url = url
         self._resp = resp
@@ -357,10 +376,10 @@ class EngineStream:
         retryable and lets the client get a 502 instead of a 200 with an error inside. On
         any exception the stream is closed."""
         try:
+            deadline = _deadline(timeout_s)
             with _translate(self._url, "decode first byte"):
-                async with asyncio.timeout(timeout_s):
-                    while not self._first and not self._eof:
-                        self._first = self._accept(await self._resp.content.readany())
+                while not self._first and not self._eof:
+                    self._first = self._accept(await self._resp.read_some(deadline))
             if self._first.startswith(_SSE_ERROR):
                 event = self._first[len(b"data: "):].split(b"\n", 1)[0]
                 raise EngineError(f"engine {self._url} failed the stream: "
@@ -376,11 +395,10 @@ class EngineStream:
             if self._first:
                 first, self._first = self._first, b""
                 yield first
-            content = self._resp.content
+            resp, loop = self._resp, asyncio.get_running_loop()
             while not self._eof:
                 with _translate(self._url, "stream idle"):
-                    async with asyncio.timeout(self._idle):
-                        raw = await content.readany()
+                    raw = await resp.read_some(loop.time() + self._idle)
                 if out := self._accept(raw):
                     yield out
         except RouterError as exc:
@@ -418,30 +436,15 @@ class EngineStream:
 
 
 class EngineClient:
-    """HTTP client for engine legs: one pooled aiohttp session per router app.
+    """HTTP client for engine legs: one pool of keep-alive connections per router app.
 
     Deadlines (seconds, from `RouterConfig`): connect; prefill total; decode first byte
     (response headers); decode idle (gap between body chunks).
     """
 
-    def __init__(self, session: aiohttp.ClientSession, config: RouterConfig) -> None:
-        self._session = session
+    def __init__(self, pool: ConnectionPool, config: RouterConfig) -> None:
+        self._pool = pool
         self._cfg = config
-        self._prefill_timeout = aiohttp.ClientTimeout(
-            total=config.prefill_timeout_s, sock_connect=config.connect_timeout_s
-        )
-        # Non-streaming decode: the engine answers only when generation is done, so one
-        # read deadline (first byte) bounds both the header wait and the body read.
-        self._decode_timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=config.connect_timeout_s,
-            sock_read=config.decode_first_byte_timeout_s,
-        )
-        # Streaming decode: asyncio.timeout around each wait instead, because sock_read
-        # would apply one value to both the first-byte wait and the inter-chunk gaps.
-        self._stream_timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=config.connect_timeout_s
-        )
-        self._health_timeout = aiohttp.ClientTimeout(total=config.health_timeout_s)
         self._stream_listener: StreamListener | None = None
 
     def set_stream_listener(self, listener: StreamListener | None) -> None:
@@ -455,60 +458,64 @@ class EngineClient:
 
     @classmethod
     def create(cls, config: RouterConfig) -> EngineClient:
-        """Build the pooled session; must run on the event loop that will use it."""
-        connector = aiohttp.TCPConnector(
-            limit=config.max_connections,
-            limit_per_host=0,
-            # Below uvicorn's (and so vLLM's) 5 s keep-alive, so we drop idle connections
-            # before the engine does and never send on a half-closed one.
-            keepalive_timeout=config.engine_keepalive_s,
-            ttl_dns_cache=300,
-        )
+        """Build the connection pool; must run on the event loop that will use it."""
         # The engine key rides on every call (legs, health probes, KV aborts, reservations).
-        auth = {"Authorization": f"Bearer {config.engine_api_key}"} \
-            if config.engine_api_key else None
         # No Accept-Encoding: bodies are relayed and checked as sent, never decompressed,
         # so an engine (or a proxy before it) must not be invited to compress them.
-        session = aiohttp.ClientSession(
-            connector=connector, auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"), headers=auth,
-        )
-        return cls(session, config)
+        auth = f"Authorization: Bearer {config.engine_api_key}" \
+            if config.engine_api_key else None
+        # Keep-alive below uvicorn's (and so vLLM's) 5 s, so we drop idle connections
+        # before the engine does and never send on a half-closed one.
+        pool = ConnectionPool(limit=config.max_connections,
+                              keepalive_s=config.engine_keepalive_s, auth_header=auth)
+        return cls(pool, config)
 
     async def close(self) -> None:
         """Close every pooled connection."""
-        await self._session.close()
+        await self._pool.close()
 
     async def post_json(
         self, url: str, path: str, body: bytes, headers: Mapping[str, str]
     ) -> dict[str, Any]:
         """POST a non-streaming prefill (or KV-route) request; return the decoded JSON
-        object (a 2xx that is not one raises `EngineProtocolError`)."""
-        raw = await self._post(url, path, body, headers, self._prefill_timeout, "prefill")
+        object (a 2xx that is not one raises `EngineProtocolError`). One deadline (the
+        prefill timeout) bounds the whole exchange."""
+        total = _deadline(self._cfg.prefill_timeout_s)
+        raw = await self._post(url, path, body, headers, "prefill", total, None)
         return _decode_reply(url, path, raw)
 
     async def post_raw(
         self, url: str, path: str, body: bytes, headers: Mapping[str, str]
     ) -> bytes:
         """POST a non-streaming decode request; return the 2xx body bytes (checked as
-        `_check_reply` says, relayed as the engine sent them)."""
-        raw = await self._post(url, path, body, headers, self._decode_timeout, "decode")
+        `_check_reply` says, relayed as the engine sent them). The engine answers only
+        when generation is done, so one read deadline (first byte) bounds the header wait
+        and each body read."""
+        raw = await self._post(url, path, body, headers, "decode", None,
+                               self._cfg.decode_first_byte_timeout_s)
         _check_reply(url, path, raw)
         return raw
 
     async def _post(self, url: str, path: str, body: bytes, headers: Mapping[str, str],
-                    timeout: aiohttp.ClientTimeout, what: str) -> bytes:
+                    what: str, total: float | None, per_read_s: float | None) -> bytes:
         """The 2xx body of a non-streaming POST, read within `max_engine_reply_bytes`."""
         with _translate(url, what):
-            async with self._session.post(
-                url + path, data=body, headers=headers, timeout=timeout,
-                allow_redirects=False,
-            ) as resp:
+            connect = _deadline(self._cfg.connect_timeout_s)
+            if total is not None:
+                connect = min(connect, total)
+            first = total if per_read_s is None else _deadline(per_read_s)
+            resp = await self._pool.request("POST", url, path, body, headers,
+                                            connect_deadline=connect, deadline=first)
+            try:
                 status = resp.status
                 if status >= 300:
-                    raw = await _read_capped(resp)
+                    raw = await _read_capped(resp, first if per_read_s is None
+                                             else _deadline(per_read_s))
                 else:
-                    raw = await _read_body(url, resp, self._cfg.max_engine_reply_bytes)
+                    raw = await _read_body(url, resp, self._cfg.max_engine_reply_bytes,
+                                           deadline=total, per_read_s=per_read_s)
+            finally:
+                resp.close()  # no-op once released
         _check_status(url, path, status, raw, body)
         return raw
 
@@ -516,32 +523,28 @@ class EngineClient:
         self, url: str, path: str, body: bytes, headers: Mapping[str, str]
     ) -> EngineStream:
         """POST a streaming decode request and wait for a 2xx `text/event-stream` status
-        line.
+        line (connect and headers within the first-byte deadline).
 
         Non-2xx replies are read (64 KiB at most), closed and raised; another content type
         raises `EngineProtocolError` (e.g. a JSON answer to a streaming request). The caller
         owns the returned stream.
         """
+        cfg = self._cfg
         with _translate(url, "decode first byte"):
-            async with asyncio.timeout(self._cfg.decode_first_byte_timeout_s):
-                resp = await self._session.post(
-                    url + path, data=body, headers=headers, timeout=self._stream_timeout,
-                    allow_redirects=False,
-                )
+            first = _deadline(cfg.decode_first_byte_timeout_s)
+            connect = min(first, _deadline(cfg.connect_timeout_s))
+            resp = await self._pool.request("POST", url, path, body, headers,
+                                            connect_deadline=connect, deadline=first)
             if resp.status >= 300:
-                try:
-                    async with asyncio.timeout(self._cfg.decode_idle_timeout_s):
-                        raw = await _read_capped(resp)
-                finally:
-                    resp.release()
+                raw = await _read_capped(resp, _deadline(cfg.decode_idle_timeout_s))
                 _check_status(url, path, resp.status, raw, body)
             if resp.content_type != "text/event-stream":
                 resp.close()
                 raise EngineProtocolError(
                     f"engine {url} answered a streaming request with Content-Type "
                     f"{resp.content_type!r}, not text/event-stream")
-        return EngineStream(url, resp, self._cfg.decode_idle_timeout_s,
-                            max_line_bytes=self._cfg.max_sse_line_bytes,
+        return EngineStream(url, resp, cfg.decode_idle_timeout_s,
+                            max_line_bytes=cfg.max_sse_line_bytes,
                             listener=self._stream_listener)
 
     async def abort_kv(self, url: str, request_id: str, timeout_s: float, *,
@@ -554,14 +557,10 @@ class EngineClient:
             payload["write_possible"] = False
         body = _json_encode(payload)
         try:
-            async with self._session.post(
-                url + "/v1/kv/abort", data=body, allow_redirects=False,
-                headers={"Content-Type": "application/json", "X-Request-Id": request_id},
-                timeout=aiohttp.ClientTimeout(total=timeout_s),
-            ) as r:
-                await _read_capped(r)
-                status = r.status
-        except (aiohttp.ClientError, TimeoutError):
+            status = await self._status_of("POST", url, "/v1/kv/abort", body,
+                                           {"Content-Type": "application/json",
+                                            "X-Request-Id": request_id}, timeout_s)
+        except (HTTPClientError, TimeoutError):
             return "failed"
         if 200 <= status < 300:
             return "ok"
@@ -570,10 +569,18 @@ class EngineClient:
     async def health(self, url: str) -> bool:
         """True when `GET {url}/health` answers 2xx within the health timeout."""
         try:
-            async with self._session.get(
-                url + "/health", timeout=self._health_timeout, allow_redirects=False
-            ) as r:
-                await _read_capped(r)
-                return 200 <= r.status < 300
-        except (aiohttp.ClientError, TimeoutError):
+            status = await self._status_of("GET", url, "/health", None, {},
+                                           self._cfg.health_timeout_s)
+        except (HTTPClientError, TimeoutError):
             return False
+        return 200 <= status < 300
+
+    async def _status_of(self, method: str, url: str, path: str, body: bytes | None,
+                         headers: Mapping[str, str], timeout_s: float) -> int:
+        """The status of one request whose body is read (capped) and dropped; every step
+        within `timeout_s` in all."""
+        deadline = _deadline(timeout_s)
+        resp = await self._pool.request(method, url, path, body, headers,
+                                        connect_deadline=deadline, deadline=deadline)
+        await _read_capped(resp, deadline)
+        return resp.status

@@ -12,7 +12,6 @@ import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -452,8 +451,8 @@ async def test_stream_listener_hears_how_each_stream_ended(bad: HostileEngine) -
     config = RouterConfig(model="m", prefill=["http://p"], decode=[bad.url],
                           max_sse_line_bytes=1024)
     heard: list[tuple[str, RouterError | None]] = []
-    async with aiohttp.ClientSession() as session:
-        client = EngineClient(session, config)
+    client = EngineClient.create(config)
+    try:
         client.set_stream_listener(lambda url, exc: heard.append((url, exc)))
         for parts, expected in (
             ([EVENT, DONE], None),
@@ -480,6 +479,8 @@ async def test_stream_listener_hears_how_each_stream_ended(bad: HostileEngine) -
             else:
                 assert type(exc) is expected
         assert heard == []
+    finally:
+        await client.close()
 
 
 async def test_mid_stream_faults_open_the_breaker(

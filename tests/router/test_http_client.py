@@ -1,0 +1,178 @@
+"""The engine HTTP client (router/http_client.py) against raw asyncio servers: keep-alive
+reuse, the retry on a kept-alive connection the server closed, body framings, the pool's
+connection limit, and its failure types."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from pdgate.router.http_client import BadResponse, ConnectFailed, ConnectionPool, Dropped
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+
+@contextlib.asynccontextmanager
+async def server(handler: Handler) -> AsyncIterator[tuple[str, list[int]]]:
+    """A loopback server; yields its URL and a list counting accepted connections."""
+    accepted: list[int] = []
+
+    async def on_conn(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        # The client hanging up (or the test ending) is how every handler stops.
+        with contextlib.suppress(asyncio.IncompleteReadError, ConnectionError,
+                                 asyncio.CancelledError):
+            await handler(reader, writer)
+        writer.close()
+
+    srv = await asyncio.start_server(on_conn, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", accepted
+    finally:
+        srv.close()
+
+
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            await reader.readexactly(int(line.split(b":")[1]))
+    return head
+
+
+async def get(pool: ConnectionPool, url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    deadline = asyncio.get_running_loop().time() + timeout
+    resp = await pool.request("POST", url, "/x", b"{}", {}, connect_deadline=deadline,
+                              deadline=deadline)
+    body = b""
+    while piece := await resp.read_some(deadline):
+        body += piece
+    resp.release()
+    return resp.status, body
+
+
+def new_pool(limit: int = 8) -> ConnectionPool:
+    return ConnectionPool(limit=limit, keepalive_s=30.0)
+
+
+async def test_keep_alive_reuses_one_connection() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(OK)
+
+    async with server(handler) as (url, accepted):
+        pool = new_pool()
+        for _ in range(3):
+            assert await get(pool, url) == (200, b"ok")
+        assert len(accepted) == 1
+        await pool.close()
+
+
+async def test_a_kept_alive_connection_the_server_closed_is_retried_once() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+        await read_request(reader)  # the next request arrives and is dropped unanswered
+
+    async with server(handler) as (url, accepted):
+        pool = new_pool()
+        assert await get(pool, url) == (200, b"ok")
+        assert await get(pool, url) == (200, b"ok")  # on a fresh connection
+        assert len(accepted) == 2
+        await pool.close()
+
+
+async def test_a_fresh_connection_closed_unanswered_is_dropped() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+
+    async with server(handler) as (url, _):
+        pool = new_pool()
+        with pytest.raises(Dropped):
+            await get(pool, url)
+        await pool.close()
+
+
+@pytest.mark.parametrize("reply", [
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab\r\n1\r\nc\r\n0\r\n\r\n",
+    b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc",
+    b"HTTP/1.0 200 OK\r\n\r\nabc",  # ends with the connection
+])
+async def test_body_framings(reply: bytes) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(reply)
+        await writer.drain()
+
+    async with server(handler) as (url, _):
+        pool = new_pool()
+        assert await get(pool, url) == (200, b"abc")
+        await pool.close()
+
+
+async def test_garbage_is_a_bad_response_and_a_stall_times_out() -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"SMTP ready\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1)
+
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        await asyncio.sleep(5)
+
+    pool = new_pool()
+    async with server(garbage) as (url, _):
+        with pytest.raises(BadResponse):
+            await get(pool, url)
+    async with server(stall) as (url, _):
+        with pytest.raises(TimeoutError):
+            await get(pool, url, timeout=0.2)
+    await pool.close()
+
+
+async def test_refused_connection_is_connect_failed() -> None:
+    async with server(read_request) as (url, _):  # type: ignore[arg-type]
+        pass  # closed: nothing listens there any more
+    pool = new_pool()
+    with pytest.raises(ConnectFailed):
+        await get(pool, url)
+    await pool.close()
+
+
+async def test_the_pool_limit_queues_requests() -> None:
+    active = 0
+    peak = 0
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal active, peak
+        while True:
+            await read_request(reader)
+            active += 1
+            peak = max(peak, active)
+            await asyncio.sleep(0.02)
+            active -= 1
+            writer.write(OK)
+
+    async with server(handler) as (url, _):
+        pool = new_pool(limit=2)
+        results = await asyncio.gather(*(get(pool, url) for _ in range(6)))
+        assert results == [(200, b"ok")] * 6
+        assert peak == 2
+        await pool.close()
+
+
+async def test_header_injection_is_refused() -> None:
+    pool = new_pool()
+    deadline = asyncio.get_running_loop().time() + 1
+    with pytest.raises(ValueError, match="line break"):
+        await pool.request("POST", "http://127.0.0.1:9", "/x", b"", {"X-A": "a\r\nB: c"},
+                           connect_deadline=deadline, deadline=deadline)
+    await pool.close()

@@ -125,6 +125,33 @@ def test_chat_and_streaming(vllm_cluster: VllmCluster) -> None:
     assert usage.prompt_tokens == via_router.usage.prompt_tokens
 
 
+def test_a_stream_opens_with_the_prefill_token_and_equals_colocated(
+    vllm_cluster: VllmCluster,
+) -> None:
+    """Pull mode's early first token: P's reply (asked for `return_token_ids`) opens the
+    stream, D continues from the prompt ids plus P's token over the transferred KV."""
+    router, d = vllm_cluster.router.url, vllm_cluster.d.url
+    early = ("pdgate_early_first_tokens_total", 'result="kv"')
+    before = metric(router, *early)
+    external0, local0 = kv_sources(d)
+    prompt = unique_prompt(60)  # D's prefix cache cannot serve it
+    chunks = list(client(router).completions.create(
+        model=SERVED_NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=IGNORE_EOS))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    colocated = complete(vllm_cluster.ref.url, prompt, 12)
+    assert streamed == colocated.choices[0].text
+    assert metric(router, *early) == before + 1
+    assert colocated.usage is not None
+    external1, local1 = kv_sources(d)
+    # The prompt came over NIXL; D computed at most P's token itself.
+    assert external1 - external0 >= colocated.usage.prompt_tokens
+    assert local1 - local0 <= 1
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (colocated.usage.prompt_tokens, 12)
+
+
 def test_usage_bills_prompt_from_prefill(vllm_cluster: VllmCluster) -> None:
     """Prompt tokens as P counted them (equal to a colocated engine's count), completion
     tokens as D generated them, and a total that adds up."""

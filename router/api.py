@@ -27,7 +27,12 @@ from starlette.types import Receive, Scope, Send
 
 from pdgate.router import request_context
 from pdgate.router.admission import Admission
-from pdgate.router.client_deadlines import SlowReader, WriteDeadlineSend, read_body_within
+from pdgate.router.client_deadlines import (
+    SlowReader,
+    WriteDeadlineSend,
+    header_value,
+    read_body_within,
+)
 from pdgate.router.config import RouterConfig
 from pdgate.router.errors import (
     InvalidRequest,
@@ -58,9 +63,9 @@ def _valid_tracestate(value: str) -> bool:
 
 # Forwarded to engines only when well-formed: a client's oversized or malformed header must
 # never make an engine refuse the leg (that would count against the engine's breaker).
-_TRACE_HEADERS: tuple[tuple[str, Callable[[str], bool]], ...] = (
-    ("traceparent", lambda v: _TRACEPARENT.fullmatch(v) is not None),
-    ("tracestate", _valid_tracestate),
+_TRACE_HEADERS: tuple[tuple[str, bytes, Callable[[str], bool]], ...] = (
+    ("traceparent", b"traceparent", lambda v: _TRACEPARENT.fullmatch(v) is not None),
+    ("tracestate", b"tracestate", _valid_tracestate),
 )
 _INLINE_PARSE_BYTES = 256 * 1024
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -231,8 +236,8 @@ def build_request(
     if model is not None and engine_model is not None and model != engine_model:
         req.body["model"] = engine_model
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
-    for name, valid in _TRACE_HEADERS:
-        if (value := request.headers.get(name)) is not None and valid(value):
+    for name, raw_name, valid in _TRACE_HEADERS:
+        if (value := header_value(request.scope, raw_name)) is not None and valid(value):
             headers[name] = value
     req.engine_headers = headers
     req.client_headers = request.headers
@@ -246,7 +251,8 @@ def _completion_handler(
     async def handler(request: Request) -> Response:
         st = holder.state
         t0 = time.perf_counter()
-        ids = _Ids(new_internal_id(), client_request_id(request.headers.get("x-request-id")))
+        ids = _Ids(new_internal_id(),
+                   client_request_id(header_value(request.scope, b"x-request-id")))
         request_context.bind_ids(ids.internal, ids.client)  # for log lines and access line
         cfg = st.config
         try:
@@ -334,10 +340,15 @@ def _json_response(obj: Any, status: int = 200) -> Response:
     return Response(_json(obj), status, media_type="application/json")
 
 
-def install_routes(app: FastAPI, holder: StateHolder) -> None:
-    """Register the OpenAI routes and the operational endpoints on `app`."""
-    for path, kind in (("/v1/completions", "completion"), ("/v1/chat/completions", "chat")):
-        app.router.add_route(path, _completion_handler(holder, kind, path), methods=["POST"])
+def install_routes(
+    app: FastAPI, holder: StateHolder
+) -> dict[str, Callable[[Request], Awaitable[Response]]]:
+    """Register the OpenAI routes and the operational endpoints on `app`; returns the
+    completion handlers by path (POST), for the app's fast path (router/fast_routes.py)."""
+    completions = {path: _completion_handler(holder, kind, path) for path, kind in (
+        ("/v1/completions", "completion"), ("/v1/chat/completions", "chat"))}
+    for path, handler in completions.items():
+        app.router.add_route(path, handler, methods=["POST"])
 
     def model_card(name: str) -> dict[str, object]:
         return {"id": name, "object": "model", "created": holder.state.started_at,
@@ -376,6 +387,7 @@ def install_routes(app: FastAPI, holder: StateHolder) -> None:
     app.router.add_route("/health", health, methods=["GET"])
     app.router.add_route("/ready", ready, methods=["GET"])
     app.router.add_route("/metrics", metrics, methods=["GET"])
+    return completions
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -3,7 +3,7 @@
 `create_app(config)` validates the config at once (bad settings fail before serving);
 the tokenizer is loaded there too, only if something configured reads prompt tokens
 (router/tokenizer_setup.py). The lifespan then builds, in order, metrics → engine client
-(one pooled aiohttp session) → endpoint pool (first health round) → health-check task →
+(one pool of keep-alive connections) → endpoint pool (first health round) → health-check task →
 orchestrator, and tears them down in reverse order.
 """
 
@@ -15,9 +15,11 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
+from starlette.types import ASGIApp
 
 from pdgate.router.aborts import Aborter
 from pdgate.router.access_log import AccessLogMiddleware
@@ -30,6 +32,7 @@ from pdgate.router.dashboard import install_dashboard
 from pdgate.router.discovery import KubernetesDiscovery
 from pdgate.router.engines import EngineClient
 from pdgate.router.errors import RouterError
+from pdgate.router.fast_routes import FastRoutes, endpoint_app
 from pdgate.router.flows.base import FlowParts
 from pdgate.router.flows.setup import open_flows
 from pdgate.router.health import HealthSettings
@@ -53,7 +56,7 @@ def create_app(
     *,
     registry: CollectorRegistry | None = None,
     tokenizer: PromptTokenizer | None = None,
-) -> FastAPI:
+) -> ASGIApp:
     """Build the router ASGI app for `config`.
 
     `registry`: where metrics go (default: a fresh registry per app, exposed at /metrics).
@@ -85,21 +88,37 @@ def create_app(
         title="pdgate router", lifespan=lifespan, docs_url=None, redoc_url=None,
         openapi_url=None,
     )
-    install_routes(app, holder)
+    completions = install_routes(app, holder)
     dashboard = install_dashboard(app, holder)
     if config.admin_api_key:
         install_admin_routes(app, holder)
     install_error_handlers(app)
+    middlewares = _middlewares(config, tracing)
+    for cls, options in middlewares:
+        app.add_middleware(cls, **options)
+    # The completion routes skip the framework's per-request stack (router/fast_routes.py)
+    # but pass the same middlewares.
+    fast: dict[str, ASGIApp] = {}
+    for path, handler in completions.items():
+        route = endpoint_app(handler)
+        for cls, options in middlewares:
+            route = cls(route, **options)
+        fast[path] = route
+    return FastRoutes(app, fast)
+
+
+def _middlewares(config: RouterConfig, tracing: TracingSlot) -> list[tuple[Any, dict[str, Any]]]:
+    """The router's pure-ASGI middlewares, innermost first: keys, tracing, access log
+    (outermost: it sees 401s)."""
+    found: list[tuple[Any, dict[str, Any]]] = []
     if config.client_api_keys or config.admin_api_key:
-        app.add_middleware(
-            AuthMiddleware, api_keys=config.client_api_keys,
-            admin_api_key=config.admin_api_key,
-        )
+        found.append((AuthMiddleware, {"api_keys": config.client_api_keys,
+                                       "admin_api_key": config.admin_api_key}))
     if tracing.enabled:
-        app.add_middleware(TracingMiddleware, tracing=tracing.get, finish=finish_span,
-                           skip=UNTRACED)
-    app.add_middleware(AccessLogMiddleware, pd_mode=config.pd_mode)  # outermost: sees 401s
-    return app
+        found.append((TracingMiddleware, {"tracing": tracing.get, "finish": finish_span,
+                                          "skip": UNTRACED}))
+    found.append((AccessLogMiddleware, {"pd_mode": config.pd_mode}))
+    return found
 
 
 @contextlib.asynccontextmanager

@@ -20,15 +20,15 @@ Configured by `RouterConfig.header_timeout_s`, `body_timeout_s`, `body_chunk_tim
 from __future__ import annotations
 
 import asyncio
-import time
 
-from starlette.requests import Request
-from starlette.types import Message, Send
+from starlette.requests import ClientDisconnect, Request
+from starlette.types import Message, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pdgate.router.errors import PayloadTooLarge, RequestTimeout
 
-__all__ = ["SlowReader", "WriteDeadlineSend", "header_deadline_protocol", "read_body_within"]
+__all__ = ["SlowReader", "WriteDeadlineSend", "header_deadline_protocol", "header_value",
+           "read_body_within"]
 
 
 class _HeaderDeadlineProtocol(HttpToolsProtocol):
@@ -79,29 +79,48 @@ async def read_body_within(
     request: Request, limit: int, total_s: float, chunk_s: float
 ) -> bytes:
     """The request body: at most `limit` bytes (413 beyond, without reading it all), within
-    `total_s` seconds in all and `chunk_s` seconds between two chunks (408 otherwise)."""
-    length = request.headers.get("content-length")
+    `total_s` seconds in all and `chunk_s` seconds between two chunks (408 otherwise).
+    A client that disconnects meanwhile raises Starlette's `ClientDisconnect`.
+
+    Reads the ASGI messages itself under one rescheduled deadline: Starlette's
+    `request.stream()` costs a generator, a final empty chunk and a timer per chunk."""
+    length = header_value(request.scope, b"content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+    receive = request.receive
     parts: list[bytes] = []
     size = 0
-    deadline = time.monotonic() + total_s
-    chunks = request.stream().__aiter__()
-    while True:
-        wait = min(chunk_s, deadline - time.monotonic())
-        try:
-            async with asyncio.timeout(max(wait, 0.0)):
-                part = await anext(chunks)
-        except StopAsyncIteration:
-            return b"".join(parts)
-        except TimeoutError:
-            raise RequestTimeout(
-                f"request body not received in time (at most {total_s:g}s in all and "
-                f"{chunk_s:g}s between chunks)") from None
-        size += len(part)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-        parts.append(part)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + total_s
+    try:
+        async with asyncio.timeout(min(loop.time() + chunk_s, deadline)) as timer:
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    raise ClientDisconnect()
+                part = message.get("body", b"")
+                if part:
+                    size += len(part)
+                    if size > limit:
+                        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+                    parts.append(part)
+                if not message.get("more_body", False):
+                    break
+                timer.reschedule(min(loop.time() + chunk_s, deadline))
+    except TimeoutError:
+        raise RequestTimeout(
+            f"request body not received in time (at most {total_s:g}s in all and "
+            f"{chunk_s:g}s between chunks)") from None
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def header_value(scope: Scope, name: bytes) -> str | None:
+    """The value of request header `name` (lower case), or None: a scan of the raw ASGI
+    headers (Starlette's `Headers.get` raises and catches a KeyError for a missing one)."""
+    for key, value in scope["headers"]:
+        if key == name:
+            return str(value.decode("latin-1"))
+    return None
 
 
 class SlowReader(Exception):

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
-__all__ = ["ROOT_HASH", "PrefixIndex", "block_hashes"]
+__all__ = ["ROOT_HASH", "PrefixIndex", "block_hashes", "text_block_hashes"]
 
 ROOT_HASH = 0x5D6A7E  # the "parent" of a prompt's first block (any fixed int works)
 
@@ -35,6 +35,18 @@ def block_hashes(
     out: list[int] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        out.append(parent)
+    return out
+
+
+def text_block_hashes(text: str, block_chars: int, parent: int = ROOT_HASH) -> list[int]:
+    """Chained hashes of the full `block_chars`-character blocks of `text`: the
+    `prefix-text` policy's blocks, no tokenizer needed. Python's `hash()` of a str depends
+    on `PYTHONHASHSEED`, so these values are only meaningful inside one process (each
+    router process keeps its own index)."""
+    out: list[int] = []
+    for start in range(0, len(text) - block_chars + 1, block_chars):
+        parent = hash((parent, text[start : start + block_chars]))
         out.append(parent)
     return out
 

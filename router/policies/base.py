@@ -19,7 +19,7 @@ import msgspec
 from pdgate.router.config import ConfigError
 from pdgate.router.kv_events import KVEventIndex
 from pdgate.router.pool import Endpoint
-from pdgate.router.prefix_index import PrefixIndex, block_hashes
+from pdgate.router.prefix_index import PrefixIndex, block_hashes, text_block_hashes
 from pdgate.router.schema import ClientRequest
 
 __all__ = [
@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 P = TypeVar("P", bound=msgspec.Struct)
+_json_text = msgspec.json.Encoder().encode
 ParamsType = type[msgspec.Struct]  # (`type` is shadowed inside policy classes)
 
 
@@ -47,14 +48,43 @@ class PickContext:
     prompt_token_ids: Sequence[int] | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
     user: str | None = None
+    # The prompt as text, for the `prefix-text` policy: a completion's single string
+    # prompt, or a chat's messages (rendered by `prompt_text` only when asked for).
+    prompt: str | None = None
+    messages: Any = None
     _hashes: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, req: ClientRequest) -> PickContext:
         """The context of a validated client request."""
         user = req.body.get("user")
+        prompt = req.prompt if isinstance(req.prompt, str) else None
         return cls(req.request_id, req.prompt_token_ids, req.client_headers,
-                   user if isinstance(user, str) else None)
+                   user if isinstance(user, str) else None, prompt,
+                   req.body.get("messages") if req.kind == "chat" else None)
+
+    def prompt_text(self) -> str | None:
+        """The prompt's text (a chat's messages as `role: content` lines), or None for
+        batch and token-id prompts."""
+        if self.prompt is not None or not isinstance(self.messages, list):
+            return self.prompt
+        lines = []
+        for m in self.messages:
+            if isinstance(m, dict):
+                content = m.get("content")
+                text = content if isinstance(content, str) else _json_text(content).decode()
+                lines.append(f"{m.get('role')}: {text}")
+        return "\n".join(lines)
+
+    def text_hashes(self, block_chars: int) -> list[int]:
+        """Chained hashes of the prompt text's full `block_chars`-character blocks
+        (computed once per size; empty without a text prompt)."""
+        found = self._hashes.get(-block_chars)  # negative keys: text, positive: tokens
+        if found is None:
+            text = self.prompt_text()
+            found = [] if text is None else text_block_hashes(text, block_chars)
+            self._hashes[-block_chars] = found
+        return found
 
     def block_hashes(self, block_size: int) -> list[int]:
         """Chained hashes of the prompt's full blocks (computed once per block size)."""
@@ -82,6 +112,10 @@ class PolicyEnv:
     # is not in the engine's events yet (its prefill is still running), so a burst of one
     # prefix would scatter; these recent entries bridge that gap.
     recent: PrefixIndex = field(default_factory=lambda: PrefixIndex(4096))
+    # The `prefix-text` policy's block, in characters: about 64 tokens of English text
+    # (4 engine blocks). Routing needs no finer grain, and each block costs a hash and an
+    # index entry per request.
+    block_chars: int = 256
 
     def matched_blocks(
         self, hashes: Sequence[int], engines: Sequence[str], *, use_events: bool
@@ -111,6 +145,9 @@ class Scorer(Protocol):
     # Whether `score` reads the prompt's tokens (`ctx.block_hashes`): the router tokenizes
     # prompts only when some scorer, the decider or the flow needs them.
     needs_tokens: ClassVar[bool]
+    # Whether `score` reads the prompt's text blocks (`ctx.text_hashes`) instead: the
+    # runner then records text blocks, not token blocks, on the chosen engine.
+    reads_text: ClassVar[bool]
 
     def score(self, candidates: Sequence[Endpoint], ctx: PickContext) -> list[float]:
         """One score per candidate, in order."""

@@ -16,6 +16,7 @@ from pdgate.router.policies.kv_aware import KVEventsAware
 from pdgate.router.policies.least_inflight import LeastInflight
 from pdgate.router.policies.power_of_two import PowerOfTwo
 from pdgate.router.policies.prefix_aware import PrefixAware
+from pdgate.router.policies.prefix_text import PrefixText
 from pdgate.router.policies.round_robin import RoundRobin
 from pdgate.router.policies.runner import Selector
 from pdgate.router.policies.session import Session
@@ -29,6 +30,7 @@ _BUILTINS: tuple[type[Any], ...] = (
     PowerOfTwo,
     Session,
     PrefixAware,
+    PrefixText,
     KVEventsAware,
 )
 

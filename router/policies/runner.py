@@ -33,6 +33,7 @@ class Selector:
         self.env = env
         self.name = name
         self.metrics = metrics
+        self._reads_text = self.reads_text
 
     @property
     def type(self) -> str:
@@ -65,8 +66,14 @@ class Selector:
                 totals[i] += weight * min(1.0, max(0.0, v))
         return totals
 
+    @property
+    def reads_text(self) -> bool:
+        """Whether this policy routes on the prompt's text blocks (`prefix-text`)."""
+        return any(scorer.reads_text for scorer, _ in self.policy.scorers)
+
     def _record(self, role: Role, ep: Endpoint, ctx: PickContext) -> None:
-        hashes = ctx.block_hashes(self.env.block_size)
+        hashes = ctx.text_hashes(self.env.block_chars) if self._reads_text \
+            else ctx.block_hashes(self.env.block_size)
         if not hashes:
             return
         if self.metrics is not None:
@@ -75,7 +82,8 @@ class Selector:
             m.child(m.prefix_lookup_blocks, role).inc(len(hashes))
             m.child(m.prefix_hit_blocks, role).inc(hit)
         self.env.approx.insert(ep.url, hashes)
-        self.env.recent.insert(ep.url, hashes)
+        if not self._reads_text:  # `recent` bridges KV events, which carry token blocks
+            self.env.recent.insert(ep.url, hashes)
 
 
 async def choose(

@@ -9,7 +9,7 @@ from typing import ClassVar
 from pdgate.router.policies.base import PickContext, PolicyEnv
 from pdgate.router.pool import Endpoint
 
-__all__ = ["LoadScorer", "PrefixScorer", "SpreadScorer"]
+__all__ = ["LoadScorer", "PrefixScorer", "SpreadScorer", "TextPrefixScorer"]
 
 
 class LoadScorer:
@@ -17,6 +17,7 @@ class LoadScorer:
 
     name: ClassVar[str] = "load"
     needs_tokens: ClassVar[bool] = False
+    reads_text: ClassVar[bool] = False
 
     def score(self, candidates: Sequence[Endpoint], ctx: PickContext) -> list[float]:
         return [1.0 / (1 + ep.in_flight) for ep in candidates]
@@ -28,6 +29,7 @@ class PrefixScorer:
 
     name: ClassVar[str] = "prefix"
     needs_tokens: ClassVar[bool] = True  # hashes the prompt's token blocks
+    reads_text: ClassVar[bool] = False
 
     def __init__(self, env: PolicyEnv, *, use_events: bool) -> None:
         self._env = env
@@ -42,12 +44,35 @@ class PrefixScorer:
         return [matched.get(u, 0) / len(hashes) for u in urls]
 
 
+class TextPrefixScorer:
+    """Fraction of the prompt text's full blocks (`env.block_chars` characters) the
+    engine is believed to hold, from the router's own index of past routing decisions.
+    No tokenizer: the prompt is cut into character blocks, as vllm-router's cache-aware
+    policy matches characters."""
+
+    name: ClassVar[str] = "text-prefix"
+    needs_tokens: ClassVar[bool] = False
+    reads_text: ClassVar[bool] = True
+
+    def __init__(self, env: PolicyEnv) -> None:
+        self._env = env
+
+    def score(self, candidates: Sequence[Endpoint], ctx: PickContext) -> list[float]:
+        hashes = ctx.text_hashes(self._env.block_chars)
+        if not hashes:
+            return [0.0] * len(candidates)
+        urls = [ep.url for ep in candidates]
+        matched = self._env.approx.match(hashes, urls)
+        return [matched.get(u, 0) / len(hashes) for u in urls]
+
+
 class SpreadScorer:
     """Prefers engines believed to hold fewer cached blocks (1 - own / largest), so new
     prefixes spread over the engines instead of piling onto one."""
 
     name: ClassVar[str] = "spread"
     needs_tokens: ClassVar[bool] = False
+    reads_text: ClassVar[bool] = False
 
     def __init__(self, env: PolicyEnv) -> None:
         self._env = env

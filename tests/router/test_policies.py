@@ -41,6 +41,7 @@ CASES = [
     ("least-inflight", 2, [4, 4], [], [0, 1, 0]),
     ("session", 3, [2, 0, 1], [], [1, 1, 1]),  # no session key: least loaded
     ("prefix-aware", 3, [2, 0, 1], [], [1, 1, 1]),  # no prompt: least loaded
+    ("prefix-text", 3, [2, 0, 1], [], [1, 1, 1]),
     ("kv-events", 2, [0, 0], [], [0, 1, 0]),  # no prompt, idle: rotate
 ]
 
@@ -223,7 +224,7 @@ async def test_least_inflight_follows_tracked_load() -> None:
 def test_registry_lists_builtins_and_rejects_unknown() -> None:
     assert set(POLICIES) == {
         "round-robin", "least-inflight", "power-of-two", "session", "prefix-aware",
-        "kv-events",
+        "prefix-text", "kv-events",
     }
     assert all(POLICIES[name].type == name for name in POLICIES)
     with pytest.raises(ConfigError, match="least-inflight"):

@@ -193,8 +193,9 @@ class RelayResponse(StreamingResponse):
         # disconnect listener in an anyio task group per stream; one watcher task that
         # cancels this one does the same job for less.
         watch = _DisconnectWatch(receive)
+        deadline_send = WriteDeadlineSend(send, self._write_timeout_s)
         try:
-            await self.stream_response(WriteDeadlineSend(send, self._write_timeout_s))
+            await self.stream_response(deadline_send)
         except asyncio.CancelledError:
             if not watch.fired:
                 raise
@@ -204,6 +205,7 @@ class RelayResponse(StreamingResponse):
             log.warning("stream cut: %s", exc)
         finally:
             watch.stop()
+            deadline_send.close()
             try:
                 await self._result.chunks.aclose()
             finally:

@@ -12,8 +12,8 @@ dropped rather than re-encoded).
 
 from __future__ import annotations
 
+import os
 import re
-import uuid
 
 __all__ = ["MAX_CLIENT_ID_CHARS", "client_request_id", "new_internal_id"]
 
@@ -23,7 +23,7 @@ _UNPRINTABLE = re.compile(r"[^\x21-\x7e]+")
 
 def new_internal_id() -> str:
     """A fresh id no client can choose or predict (32 hex digits)."""
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # what uuid4 draws, without building a UUID
 
 
 def client_request_id(header: str | None) -> str | None:

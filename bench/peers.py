@@ -1,20 +1,28 @@
 """pdgate vs vllm-router (Rust) in one run, behind the same fixed-response nginx engines.
 
-Both routers run pull-mode P/D with round-robin policies in front of one nginx "prefill
-engine" (answers any POST with a vLLM completion carrying `kv_transfer_params`) and one
-nginx "decode engine" (a fixed completion, or an SSE stream for the streaming rows). Each
-router is pinned to the same core(s) with taskset; nginx and the load generator get the
-other cores. For every prompt size (words) and format (JSON, SSE) it prints req/s, p50/p99
-latency, the router's CPU time per request (utime + stime of the router's whole process
-tree from /proc, over the measured run) and pdgate's ratio to vllm-router.
+Both routers run pull-mode P/D in front of one nginx "prefill engine" (answers any POST
+with a vLLM completion carrying `kv_transfer_params`) and one nginx "decode engine" (a fixed
+completion, or an SSE stream for the streaming rows). Each router is pinned to the same
+core(s) with taskset; nginx and the load generator get other cores. Cases (`--cases`):
+
+    rr       round-robin, one core, every prompt size, JSON and SSE
+    cache    prefix routing (pdgate prefix-text, vllm-router cache_aware), one core, JSON
+    workers  round-robin on `--multi-cpus` cores (pdgate --workers N), JSON
+
+Per row: req/s, p50/p99 latency, the router's CPU time per request (utime + stime of the
+router's whole process tree from /proc, over the measured run), pdgate's ratio to
+vllm-router in the same case, and for the workers rows pdgate's ratio to its one-core row.
 
     python bench/peers.py [--duration 10] [--connections 32] [--words 5,200,2000]
-                          [--workers 1] [--router-cpus 0] [--json]
+                          [--cases rr,cache,workers] [--multi-cpus 0-3] [--json]
 
-Needs: nginx (installed with apt-get when missing and running as root), vllm-router (pip,
-into a cached venv under .cache/, never the project's .venv), wrk when installed (else an
-aiohttp load generator in its own process). The load generator's own ceiling is measured
-straight against the decode nginx and printed: a router row near it is loadgen-bound.
+Needs: nginx (installed with apt-get when missing and running as root; or `--nginx PATH`),
+vllm-router (pip, into a cached venv under .cache/, never the project's .venv; or
+`--vllm-router COMMAND`), wrk when installed (or `--wrk PATH`; else an aiohttp load
+generator in its own process). `--tool-libs DIR` is put on LD_LIBRARY_PATH for nginx and
+wrk only (binaries copied from another machine with their shared libraries). The load
+generator's own ceiling is measured straight against the decode nginx and printed: a row
+near it is loadgen-bound.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import fcntl
 import json
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -105,12 +114,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def spawn(argv: list[str], cpus: str | None, log: Path | None = None) -> subprocess.Popen[bytes]:
+def spawn(argv: list[str], cpus: str | None, log: Path | None = None,
+          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     if cpus:
         argv = ["taskset", "-c", cpus, *argv]
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (child keeps it)
     return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
-                            start_new_session=True)
+                            start_new_session=True, env=env)
+
+
+def tool_env(libs: str | None) -> dict[str, str] | None:
+    """The environment of nginx and wrk: `libs` first on LD_LIBRARY_PATH (None: ours)."""
+    if not libs:
+        return None
+    old = os.environ.get("LD_LIBRARY_PATH")
+    return {**os.environ, "LD_LIBRARY_PATH": f"{libs}:{old}" if old else libs}
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -181,7 +199,7 @@ def _nginx_conf(tmp: Path, ports: dict[str, int]) -> str:
                 f"    location / {{ default_type {ctype}; return 200 '{quoted}'; }}\n  }}\n")
 
     user = "user root;\n" if os.geteuid() == 0 else ""
-    return (f"{user}worker_processes 1;\ndaemon off;\npid {tmp}/nginx.pid;\n"
+    return (f"{user}worker_processes 2;\ndaemon off;\npid {tmp}/nginx.pid;\n"
             f"error_log {tmp}/error.log warn;\nevents {{ worker_connections 4096; }}\n"
             f"http {{\n  access_log off;\n  client_body_temp_path {tmp}/body;\n"
             + server(ports["prefill"], "application/json", _PREFILL_REPLY)
@@ -190,15 +208,17 @@ def _nginx_conf(tmp: Path, ports: dict[str, int]) -> str:
 
 
 @contextmanager
-def nginx_engines(cpus: str | None) -> Iterator[dict[str, int]]:
+def nginx_engines(cpus: str | None, nginx: str | None = None,
+                  libs: str | None = None) -> Iterator[dict[str, int]]:
     """One nginx serving the prefill, JSON-decode and SSE-decode engines; their ports."""
-    nginx = ensure_nginx()
+    nginx = nginx or ensure_nginx()
     with tempfile.TemporaryDirectory(prefix="pdgate-peers-") as tmp_s:
         tmp = Path(tmp_s)
         ports = {"prefill": free_port(), "json": free_port(), "sse": free_port()}
         conf = tmp / "nginx.conf"
         conf.write_text(_nginx_conf(tmp, ports))
-        proc = spawn([nginx, "-c", str(conf), "-p", str(tmp)], cpus, tmp / "nginx.out")
+        proc = spawn([nginx, "-c", str(conf), "-p", str(tmp), "-e", str(tmp / "error.log")],
+                     cpus, tmp / "nginx.out", tool_env(libs))
         try:
             wait_serving(ports["json"], proc, 20)
             yield ports
@@ -233,15 +253,27 @@ end
 """
 
 
-def _wrk(port: int, body: str, conns: int, duration: float, cpus: str | None) -> Run:
+@dataclass(frozen=True)
+class Tools:
+    """Where the load generator is and how it runs (`wrk` None: the aiohttp one)."""
+
+    wrk: str | None
+    threads: int = 1
+    libs: str | None = None
+
+
+def _wrk(port: int, body: str, conns: int, duration: float, cpus: str | None,
+         tools: Tools) -> Run:
+    assert tools.wrk is not None
     with tempfile.NamedTemporaryFile("w", suffix=".lua") as script:
         script.write(_WRK_LUA.replace("{body}", body))
         script.flush()
-        argv = ["wrk", "-t1", f"-c{conns}", f"-d{max(1, round(duration))}s", "-s", script.name,
-                f"http://127.0.0.1:{port}/v1/completions"]
+        argv = [tools.wrk, f"-t{tools.threads}", f"-c{conns}", f"-d{max(1, round(duration))}s",
+                "-s", script.name, f"http://127.0.0.1:{port}/v1/completions"]
         if cpus:
             argv = ["taskset", "-c", cpus, *argv]
-        out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+        out = subprocess.run(argv, capture_output=True, text=True, check=True,
+                             env=tool_env(tools.libs)).stdout
     m = re.search(r"^PEERS (\d+) ([\d.]+) ([\d.]+) ([\d.]+) (\d+)$", out, re.M)
     if not m:
         raise RuntimeError(f"unexpected wrk output:\n{out}")
@@ -278,11 +310,13 @@ async def _aiohttp_load(port: int, body: bytes, conns: int, duration: float) -> 
                lat[max(0, int(len(lat) * 0.99) - 1)] * 1e3, errors)
 
 
-def load(port: int, body: str, conns: int, duration: float, cpus: str | None) -> Run:
+def load(port: int, body: str, conns: int, duration: float, cpus: str | None,
+         tools: Tools | None = None) -> Run:
     """One measured run: wrk when installed, else the aiohttp generator in its own process
     (so its CPU never counts as the router's and it gets its own core)."""
-    if shutil.which("wrk"):
-        return _wrk(port, body, conns, duration, cpus)
+    tools = tools or Tools(shutil.which("wrk"))
+    if tools.wrk:
+        return _wrk(port, body, conns, duration, cpus, tools)
     argv = [sys.executable, __file__, "--_loadgen", json.dumps([port, body, conns, duration])]
     if cpus:
         argv = ["taskset", "-c", cpus, *argv]
@@ -292,21 +326,36 @@ def load(port: int, body: str, conns: int, duration: float, cpus: str | None) ->
 
 # ---------------------------------------------------------------- routers
 
-def pdgate_argv(port: int, p: int, d: int, workers: int) -> list[str]:
-    from pdgate.engine_shim.tiny import ensure_tiny_model
+# The policy flags of each router per case policy: pdgate's prefix-text matches the prompt's
+# characters, as vllm-router's cache_aware does (pdgate's prefix-aware hashes tokens).
+_POLICY_FLAGS = {
+    "pdgate": {
+        "round-robin": ["--prefill-policy", "round-robin", "--decode-policy", "round-robin"],
+        "cache-aware": ["--prefill-policy", "prefix-text", "--decode-policy", "prefix-text"],
+    },
+    "vllm-router": {
+        "round-robin": ["--policy", "round_robin"],
+        "cache-aware": ["--policy", "cache_aware"],
+    },
+}
 
-    tok = ensure_tiny_model(weights=False)
+
+def pdgate_argv(port: int, p: int, d: int, workers: int, policy: str,
+                args: argparse.Namespace) -> list[str]:
+    # No --tokenizer: none of these policies reads tokens, so the router loads none.
     return [sys.executable, "-m", "pdgate.router", "--port", str(port), "--model", "pdgate-tiny",
-            "--tokenizer", str(tok), "--max-model-len", "1000000",
+            "--max-model-len", "1000000",
             "--prefill", f"http://127.0.0.1:{p}", "--decode", f"http://127.0.0.1:{d}",
-            "--prefill-policy", "round-robin", "--decode-policy", "round-robin",
+            *_POLICY_FLAGS["pdgate"][policy],
             "--log-level", "warning", *(["--workers", str(workers)] if workers != 1 else [])]
 
 
-def vllm_router_argv(port: int, p: int, d: int, workers: int) -> list[str]:
-    return [str(ensure_vllm_router()), "--host", "127.0.0.1", "--port", str(port),
+def vllm_router_argv(port: int, p: int, d: int, workers: int, policy: str,
+                     args: argparse.Namespace) -> list[str]:
+    exe = shlex.split(args.vllm_router) if args.vllm_router else [str(ensure_vllm_router())]
+    return [*exe, "--host", "127.0.0.1", "--port", str(port),
             "--vllm-pd-disaggregation", "--prefill", f"http://127.0.0.1:{p}",
-            "--decode", f"http://127.0.0.1:{d}", "--policy", "round_robin",
+            "--decode", f"http://127.0.0.1:{d}", *_POLICY_FLAGS["vllm-router"][policy],
             "--prometheus-port", str(free_port()), "--log-level", "warning",
             "--worker-startup-check-interval", "1"]
 
@@ -320,9 +369,42 @@ def prompt_of(words: int) -> str:
     return " ".join(vocab[(i * 7) % len(vocab)] for i in range(words))
 
 
+@dataclass(frozen=True)
+class Case:
+    """One group of rows: a policy, a worker count and core set, formats and sizes."""
+
+    name: str
+    policy: str
+    workers: int
+    cpus: str | None
+    formats: tuple[str, ...]
+    words: tuple[int, ...]
+
+
+def cases(args: argparse.Namespace) -> list[Case]:
+    """The `--cases` groups: rr, cache (sizes of 200 words and up) and workers."""
+    words = tuple(args.words)
+    big = tuple(w for w in words if w >= 200) or words
+    out = []
+    for name in args.cases.split(","):
+        if name == "rr":
+            out.append(Case("rr", "round-robin", 1, args.router_cpus, ("json", "sse"), words))
+        elif name == "cache":
+            out.append(Case("cache", "cache-aware", 1, args.router_cpus, ("json",), big))
+        elif name == "workers":
+            out.append(Case(f"x{args.multi_workers}", "round-robin", args.multi_workers,
+                            args.multi_cpus, ("json",), big))
+        else:
+            raise SystemExit(f"unknown case {name!r} (rr, cache, workers)")
+    return out
+
+
 @dataclass
 class Row:
     router: str
+    case: str
+    policy: str
+    workers: int
     words: int
     format: str
     rps: float
@@ -332,47 +414,65 @@ class Row:
     errors: int
 
 
-def measure(args: argparse.Namespace, ports: dict[str, int], logdir: Path) -> list[Row]:
+def measure(args: argparse.Namespace, ports: dict[str, int], logdir: Path,
+            tools: Tools) -> list[Row]:
     rows: list[Row] = []
-    for name in args.routers.split(","):
-        for fmt in ("json", "sse"):
-            port = free_port()
-            argv = ROUTERS[name](port, ports["prefill"], ports[fmt], args.workers)
-            proc = spawn(argv, args.router_cpus, logdir / f"{name}-{fmt}.log")
-            try:
-                wait_serving(port, proc, stream=fmt == "sse")
-                for words in args.words:
-                    body = json.dumps({"model": "pdgate-tiny", "prompt": prompt_of(words),
-                                       "max_tokens": MAX_TOKENS, "stream": fmt == "sse"})
-                    load(port, body, args.connections, args.warmup, args.load_cpus)
-                    cpu0 = cpu_seconds(proc.pid)
-                    run = load(port, body, args.connections, args.duration, args.load_cpus)
-                    cpu = cpu_seconds(proc.pid) - cpu0
-                    rows.append(Row(name, words, fmt, run.rps, run.p50_ms, run.p99_ms,
-                                    cpu * 1e6 / max(run.requests, 1), run.errors))
-                    print(f"  {name:<12}{words:>6} words {fmt:<5}{run.rps:>10.0f} req/s",
-                          file=sys.stderr)
-            finally:
-                stop(proc)
+    for case in cases(args):
+        for name in args.routers.split(","):
+            # vllm-router has no worker processes: its threads get the same cores.
+            workers = case.workers if name == "pdgate" else 1
+            for fmt in case.formats:
+                port = free_port()
+                argv = ROUTERS[name](port, ports["prefill"], ports[fmt], workers, case.policy,
+                                     args)
+                proc = spawn(argv, case.cpus, logdir / f"{name}-{case.name}-{fmt}.log")
+                try:
+                    wait_serving(port, proc, stream=fmt == "sse")
+                    for words in case.words:
+                        rows.append(_row(args, tools, port, proc, name, case, workers,
+                                         words, fmt))
+                finally:
+                    stop(proc)
     return rows
 
 
-def print_table(rows: list[Row], ceiling: float, args: argparse.Namespace) -> None:
-    ref = {(r.words, r.format): r for r in rows if r.router == "vllm-router"}
-    print(f"pull mode, round-robin, max_tokens {MAX_TOKENS}, {args.connections} connections, "
-          f"{args.duration:g} s per row; routers on cpu {args.router_cpus}, "
-          f"pdgate --workers {args.workers}")
-    print(f"{'router':<13}{'words':>6} {'fmt':<5}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}"
-          f"{'CPU us/req':>12}{'x req/s':>9}{'x CPU':>8}{'errors':>8}")
+def _row(args: argparse.Namespace, tools: Tools, port: int, proc: subprocess.Popen[bytes],
+         name: str, case: Case, workers: int, words: int, fmt: str) -> Row:
+    body = json.dumps({"model": "pdgate-tiny", "prompt": prompt_of(words),
+                       "max_tokens": MAX_TOKENS, "stream": fmt == "sse"})
+    load(port, body, args.connections, args.warmup, args.load_cpus, tools)
+    cpu0 = cpu_seconds(proc.pid)
+    run = load(port, body, args.connections, args.duration, args.load_cpus, tools)
+    cpu = cpu_seconds(proc.pid) - cpu0
+    print(f"  {name:<12}{case.name:<7}{words:>6} words {fmt:<5}{run.rps:>10.0f} req/s",
+          file=sys.stderr)
+    return Row(name, case.name, case.policy, workers, words, fmt, run.rps, run.p50_ms,
+               run.p99_ms, cpu * 1e6 / max(run.requests, 1), run.errors)
+
+
+def print_table(rows: list[Row], ceiling: float, args: argparse.Namespace,
+                tools: Tools) -> None:
+    ref = {(r.case, r.words, r.format): r for r in rows if r.router == "vllm-router"}
+    one = {(r.words, r.format): r for r in rows if r.router == "pdgate" and r.case == "rr"}
+    print(f"pull mode, max_tokens {MAX_TOKENS}, {args.connections} connections, "
+          f"{args.duration:g} s per row; one-core cases on cpu {args.router_cpus}, "
+          f"x{args.multi_workers} on cpus {args.multi_cpus}; load on cpus {args.load_cpus}")
+    print(f"{'router':<12}{'case':<6}{'policy':<12}{'words':>6} {'fmt':<5}{'req/s':>8}"
+          f"{'p50 ms':>8}{'p99 ms':>8}{'CPU us/req':>11}{'x req/s':>8}{'x CPU':>7}"
+          f"{'x 1 core':>9}{'errors':>7}")
     for r in rows:
-        base = ref.get((r.words, r.format))
+        base = ref.get((r.case, r.words, r.format))
         rps_x = f"{r.rps / base.rps:.2f}" if base and base.rps else "-"
         cpu_x = f"{r.cpu_us_per_req / base.cpu_us_per_req:.2f}" \
             if base and base.cpu_us_per_req else "-"
-        print(f"{r.router:<13}{r.words:>6} {r.format:<5}{r.rps:>9.0f}{r.p50_ms:>9.2f}"
-              f"{r.p99_ms:>9.2f}{r.cpu_us_per_req:>12.0f}{rps_x:>9}{cpu_x:>8}{r.errors:>8}")
+        single = one.get((r.words, r.format))
+        scale = f"{r.rps / single.rps:.2f}" if r.workers > 1 and single and single.rps \
+            else "-"
+        print(f"{r.router:<12}{r.case:<6}{r.policy:<12}{r.words:>6} {r.format:<5}"
+              f"{r.rps:>8.0f}{r.p50_ms:>8.2f}{r.p99_ms:>8.2f}{r.cpu_us_per_req:>11.0f}"
+              f"{rps_x:>8}{cpu_x:>7}{scale:>9}{r.errors:>7}")
     print(f"load generator ceiling (straight to the decode nginx): {ceiling:.0f} req/s"
-          f" ({'wrk' if shutil.which('wrk') else 'aiohttp'})")
+          f" ({'wrk' if tools.wrk else 'aiohttp'})")
     if rows and max(r.rps for r in rows) > 0.5 * ceiling:
         print("WARNING: a row is above half the load generator's ceiling: it may be "
               "loadgen-bound")
@@ -387,13 +487,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--connections", type=int, default=32)
     p.add_argument("--words", type=lambda s: [int(w) for w in s.split(",")],
                    default=[5, 200, 2000], help="comma-separated prompt sizes in words")
-    p.add_argument("--workers", type=int, default=1, help="pdgate router --workers")
+    p.add_argument("--cases", default="rr,cache,workers" if ncpu >= 8 else "rr,cache",
+                   help="comma-separated: rr, cache, workers (default: all three with 8 "
+                        "cores or more)")
+    p.add_argument("--multi-workers", type=int, default=4,
+                   help="pdgate --workers in the workers case")
+    p.add_argument("--multi-cpus", default="0-3", help="taskset cpu list of the workers case")
     p.add_argument("--routers", default="pdgate,vllm-router",
                    help="comma-separated: pdgate, vllm-router")
     p.add_argument("--router-cpus", default="0" if ncpu > 1 else None,
-                   help="taskset cpu list of the routers (default: 0)")
-    p.add_argument("--load-cpus", default=f"1-{ncpu - 1}" if ncpu > 1 else None,
-                   help="taskset cpu list of nginx and the load generator")
+                   help="taskset cpu list of the one-core cases (default: 0)")
+    p.add_argument("--load-cpus",
+                   default=f"4-{ncpu - 1}" if ncpu >= 8 else f"1-{ncpu - 1}" if ncpu > 1
+                   else None,
+                   help="taskset cpu list of nginx and the load generator (default: the "
+                        "cores the routers do not use)")
+    p.add_argument("--nginx", help="nginx binary (default: on PATH, else apt-get install)")
+    p.add_argument("--wrk", help="wrk binary (default: on PATH, else aiohttp)")
+    p.add_argument("--wrk-threads", type=int, default=2)
+    p.add_argument("--tool-libs", help="directory put on LD_LIBRARY_PATH for nginx and wrk")
+    p.add_argument("--vllm-router",
+                   help="command that runs vllm-router (default: the cached venv's)")
     p.add_argument("--json", action="store_true", help="rows as JSON on the last line")
     p.add_argument("--_loadgen", help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -406,23 +520,24 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(asdict(asyncio.run(_aiohttp_load(port, body.encode(), conns,
                                                           duration)))))
         return
-    if "vllm-router" in args.routers:
+    if "vllm-router" in args.routers and not args.vllm_router:
         ensure_vllm_router()
-    with nginx_engines(args.load_cpus) as ports, \
+    tools = Tools(args.wrk or shutil.which("wrk"), args.wrk_threads, args.tool_libs)
+    with nginx_engines(args.load_cpus, args.nginx, args.tool_libs) as ports, \
             tempfile.TemporaryDirectory(prefix="pdgate-peers-logs-") as logs:
         body = json.dumps({"prompt": prompt_of(200), "max_tokens": MAX_TOKENS})
         ceiling = load(ports["json"], body, args.connections, args.duration / 2,
-                       args.load_cpus).rps
+                       args.load_cpus, tools).rps
         try:
-            rows = measure(args, ports, Path(logs))
+            rows = measure(args, ports, Path(logs), tools)
         except RuntimeError:
             for log in sorted(Path(logs).glob("*.log")):
                 print(f"--- {log.name}\n{log.read_text()[-3000:]}", file=sys.stderr)
             raise
-    print_table(rows, ceiling, args)
+    print_table(rows, ceiling, args, tools)
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "loadgen_ceiling_rps": ceiling,
-                          "workers": args.workers, "connections": args.connections}))
+                          "connections": args.connections}))
 
 
 if __name__ == "__main__":

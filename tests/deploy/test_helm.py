@@ -552,3 +552,10 @@ def test_every_pod_is_hardened(rendered: Rendered) -> None:
             assert c["livenessProbe"]["httpGet"]["path"] == "/health"
             port = c["livenessProbe"]["httpGet"]["port"]
             assert port in [p["name"] for p in c["ports"]]
+
+
+def test_a_later_values_file_wins_as_with_helm(renderer: Renderer, tmp_path: Path) -> None:
+    first = write_values(tmp_path, {"router": {"replicas": 2}}, "first.yaml")
+    second = write_values(tmp_path, {"router": {"replicas": 3}}, "second.yaml")
+    assert renderer.render(first, second).one("Deployment", "-router")["spec"]["replicas"] == 3
+    assert renderer.render(second, first).one("Deployment", "-router")["spec"]["replicas"] == 2

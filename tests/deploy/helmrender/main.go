@@ -254,7 +254,7 @@ func run(dir string, valueFiles, apiVersions []string, release, namespace string
 	if err != nil {
 		return err
 	}
-	for i := len(valueFiles) - 1; i >= 0; i-- { // coalesce: the last file has priority
+	for i := 0; i < len(valueFiles); i++ { // each file over what came before: the last wins
 		user, err := readYAMLMap(valueFiles[i])
 		if err != nil {
 			return err

@@ -115,11 +115,11 @@ def free_port() -> int:
 
 
 def spawn(argv: list[str], cpus: str | None, log: Path | None = None,
-          env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+          env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.Popen[bytes]:
     if cpus:
         argv = ["taskset", "-c", cpus, *argv]
     out = open(log, "ab") if log else subprocess.DEVNULL  # noqa: SIM115 (child keeps it)
-    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+    return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
                             start_new_session=True, env=env)
 
 
@@ -425,7 +425,11 @@ def measure(args: argparse.Namespace, ports: dict[str, int], logdir: Path,
                 port = free_port()
                 argv = ROUTERS[name](port, ports["prefill"], ports[fmt], workers, case.policy,
                                      args)
-                proc = spawn(argv, case.cpus, logdir / f"{name}-{case.name}-{fmt}.log")
+                # `python -m` imports from its working directory first: --pdgate-root
+                # measures another checkout's pdgate.
+                cwd = Path(args.pdgate_root) if name == "pdgate" and args.pdgate_root else ROOT
+                proc = spawn(argv, case.cpus, logdir / f"{name}-{case.name}-{fmt}.log",
+                             cwd=cwd)
                 try:
                     wait_serving(port, proc, stream=fmt == "sse")
                     for words in case.words:
@@ -506,6 +510,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--wrk", help="wrk binary (default: on PATH, else aiohttp)")
     p.add_argument("--wrk-threads", type=int, default=2)
     p.add_argument("--tool-libs", help="directory put on LD_LIBRARY_PATH for nginx and wrk")
+    p.add_argument("--pdgate-root",
+                   help="run pdgate from this checkout (e.g. an older commit's git archive)")
     p.add_argument("--vllm-router",
                    help="command that runs vllm-router (default: the cached venv's)")
     p.add_argument("--json", action="store_true", help="rows as JSON on the last line")

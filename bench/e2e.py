@@ -112,9 +112,11 @@ async def one(client: httpx.AsyncClient, text: str, max_tokens: int) -> tuple[fl
     return ttft, time.perf_counter() - t0
 
 
-async def load(url: str, args: argparse.Namespace, offset: int) -> dict[str, float]:
+async def load(url: str, args: argparse.Namespace, offset: int,
+               headers: dict[str, str] | None = None) -> dict[str, float]:
     limits = httpx.Limits(max_connections=args.concurrency * 2)
-    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as client:
+    async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits,
+                                 headers=headers) as client:
         for i in range(args.warmup):
             await one(client, prompt(offset - i - 1, args.prompt_tokens), args.max_tokens)
         queue = list(range(offset, offset + args.requests))

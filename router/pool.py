@@ -45,13 +45,18 @@ class Endpoint:
     health: EngineHealth = field(default_factory=EngineHealth, repr=False)
     _in_flight_gauge: Gauge | None = field(default=None, repr=False)
     _healthy_gauge: Gauge | None = field(default=None, repr=False)
+    _seen_healthy: bool = field(default=False, repr=False)  # has any probe passed yet?
 
     def set_healthy(self, healthy: bool) -> None:
-        """Record a health verdict (logs transitions, updates the gauge)."""
+        """Record a health verdict (logs transitions, updates the gauge). An engine that
+        has never been healthy is starting, not failing: that is INFO, not a WARNING."""
         if healthy != self.healthy:
-            log.log(logging.INFO if healthy else logging.WARNING,  # recovery is good news
+            failing = not healthy and self._seen_healthy
+            log.log(logging.WARNING if failing else logging.INFO,
                     "engine %s (%s) is now %s", self.url, self.role,
-                    "healthy" if healthy else "UNHEALTHY")
+                    "healthy" if healthy else
+                    "UNHEALTHY" if failing else "not ready yet (starting)")
+        self._seen_healthy = self._seen_healthy or healthy
         self.healthy = healthy
         if self._healthy_gauge is not None:
             self._healthy_gauge.set(1 if healthy else 0)

@@ -13,6 +13,7 @@ from pdgate.proxy.log_format import configure_logging
 from pdgate.router import request_context
 from pdgate.router.health import EngineHealth, HealthSettings
 from pdgate.router.logs import request_fields
+from pdgate.router.pool import Endpoint
 
 
 @pytest.fixture
@@ -66,3 +67,15 @@ def test_breaker_closing_is_info_and_opening_a_warning(caplog: pytest.LogCapture
         health.record_success()
     assert [(r.levelname, "OPEN" in r.getMessage()) for r in caplog.records] == [
         ("WARNING", True), ("INFO", False)]
+
+
+def test_an_engine_still_starting_is_info_and_a_failing_one_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ep = Endpoint("http://127.0.0.1:9", "prefill", 0)
+    with caplog.at_level(logging.INFO, logger="pdgate.router.pool"):
+        ep.set_healthy(False)  # the first probe, while the engine loads its model
+        ep.set_healthy(True)
+        ep.set_healthy(False)  # it was up: now that is a failure
+    assert [(r.levelname, r.getMessage().split(" is now ")[1]) for r in caplog.records] == [
+        ("INFO", "not ready yet (starting)"), ("INFO", "healthy"), ("WARNING", "UNHEALTHY")]

@@ -202,6 +202,9 @@ def _nginx_conf(tmp: Path, ports: dict[str, int]) -> str:
     return (f"{user}worker_processes 2;\ndaemon off;\npid {tmp}/nginx.pid;\n"
             f"error_log {tmp}/error.log warn;\nevents {{ worker_connections 4096; }}\n"
             f"http {{\n  access_log off;\n  client_body_temp_path {tmp}/body;\n"
+            # Every temp path in the prefix: a Debian nginx defaults to /var/lib/nginx.
+            f"  proxy_temp_path {tmp}/proxy; fastcgi_temp_path {tmp}/fastcgi;\n"
+            f"  uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;\n"
             + server(ports["prefill"], "application/json", _PREFILL_REPLY)
             + server(ports["json"], "application/json", _DECODE_REPLY)
             + server(ports["sse"], "text/event-stream", _SSE_REPLY) + "}\n")

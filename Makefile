@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: run test lint typecheck pytest bench clean test-vllm test-vllm-push promtool deb-deps
+.PHONY: run test lint typecheck pytest bench clean test-vllm test-vllm-push test-vllm-tp promtool deb-deps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -63,12 +63,17 @@ test: deb-deps lint typecheck pytest
 # .cache/vllm-venv on first use (~1.5 min; PDGATE_VLLM_VENV moves it), then runs tests/vllm.
 test-vllm: $(STAMP)
 	$(PY) -m tests.vllm.venv
-	$(PY) -m pytest -q -m 'vllm and not vllm_push' tests/vllm $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m 'vllm and not vllm_push and not vllm_tp' tests/vllm $(PYTEST_ARGS)
 
 # vLLM's NixlPushConnector engines behind `--pd-mode push` (not in CI yet: docs/vllm.md).
 test-vllm-push: $(STAMP)
 	$(PY) -m tests.vllm.venv
 	$(PY) -m pytest -q -m vllm_push tests/vllm $(PYTEST_ARGS)
+
+# Heterogeneous tensor parallelism (a TP 2 engine beside TP 1 ones; not in CI yet: docs/vllm.md).
+test-vllm-tp: $(STAMP)
+	$(PY) -m tests.vllm.venv
+	$(PY) -m pytest -q -m vllm_tp tests/vllm $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/router_overhead.py

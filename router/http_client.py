@@ -37,6 +37,7 @@ __all__ = ["BadResponse", "ConnectFailed", "ConnectionPool", "Dropped", "HTTPCli
 
 _HIGH_WATER = 256 * 1024  # buffered body bytes before the socket stops being read
 _INLINE_BODY = 64 * 1024  # bodies up to this size go out in the same write as the headers
+_MAX_HEAD = 64 * 1024  # status line and headers: an engine sending more is not HTTP we take
 
 
 class HTTPClientError(Exception):
@@ -108,6 +109,7 @@ class _Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.busy = False  # a request is out and its response is being read
         self.got_bytes = False  # any byte of the current response arrived
+        self._head_bytes = 0  # bytes received before the headers were complete
         self.status = 0
         self.headers: dict[bytes, bytes] = {}
         self.headers_done = False
@@ -132,6 +134,12 @@ class _Connection(asyncio.Protocol):
             self.close()
             return
         self.got_bytes = True
+        if not self.headers_done:
+            self._head_bytes += len(data)
+            if self._head_bytes > _MAX_HEAD + len(data):  # this read may carry the body
+                self._fail(BadResponse(f"response headers over {_MAX_HEAD} bytes"))
+                self.close()
+                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:

@@ -138,6 +138,21 @@ async def test_garbage_is_a_bad_response_and_a_stall_times_out() -> None:
     await pool.close()
 
 
+async def test_endless_headers_are_a_bad_response() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n")
+        for i in range(100_000):
+            writer.write(b"X-Pad-%d: %s\r\n" % (i, b"y" * 100))
+            await writer.drain()
+
+    async with server(handler) as (url, _):
+        pool = new_pool()
+        with pytest.raises(BadResponse, match="headers over"):
+            await get(pool, url, timeout=10)
+        await pool.close()
+
+
 async def test_refused_connection_is_connect_failed() -> None:
     async with server(read_request) as (url, _):  # type: ignore[arg-type]
         pass  # closed: nothing listens there any more

@@ -24,7 +24,7 @@ VLLM_TINY_CONFIG: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 32,
-    "max_position_embeddings": 2048,
+    "max_position_embeddings": 16384,  # room for bench/e2e_vllm.py's 2,000-word prompts
     "rms_norm_eps": 1e-5,
     "rope_theta": 10000.0,
     "tie_word_embeddings": False,

@@ -39,7 +39,7 @@ class _HeaderDeadlineProtocol(HttpToolsProtocol):
     _header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(_CorkedTransport(transport, self.loop))  # type: ignore[arg-type]
         self._arm_header_timer()
 
     def on_message_begin(self) -> None:
@@ -69,8 +69,66 @@ class _HeaderDeadlineProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
+class _CorkedTransport:
+    """Sends the writes of one event-loop iteration as one: uvicorn writes a response's
+    status line and headers, then its body, each with its own `send` syscall (two per
+    answer, three for a short stream). Writes over `_CORK_MAX` bytes go out at once, after
+    whatever is held, so a large body is never copied. `close()` sends what is held first."""
+
+    __slots__ = ("_transport", "_loop", "_held")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._held: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if len(data) > _CORK_MAX:
+            self._flush()
+            self._transport.write(data)
+            return
+        if not self._held:
+            self._loop.call_soon(self._flush)
+        self._held.append(data)
+
+    def _flush(self) -> None:
+        held = self._held
+        if not held:
+            return
+        self._held = []
+        if not self._transport.is_closing():
+            self._transport.write(held[0] if len(held) == 1 else b"".join(held))
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        return self._transport.get_extra_info(name, default)
+
+    def pause_reading(self) -> None:
+        self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        self._transport.resume_reading()
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._flush()
+        self._transport.set_protocol(protocol)
+
+    def __getattr__(self, name: str) -> object:  # anything else uvicorn may ask
+        return getattr(self._transport, name)
+
+
+_CORK_MAX = 64 * 1024
+
+
 def header_deadline_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
-    """The protocol class to pass as uvicorn's `http=` for this header deadline."""
+    """The protocol class to pass as uvicorn's `http=` for this header deadline (its
+    transport also sends each loop iteration's writes as one: `_CorkedTransport`)."""
     return type("HeaderDeadlineProtocol", (_HeaderDeadlineProtocol,),
                 {"header_timeout_s": header_timeout_s})
 

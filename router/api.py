@@ -28,6 +28,7 @@ from starlette.types import Receive, Scope, Send
 from pdgate.router import request_context
 from pdgate.router.admission import Admission
 from pdgate.router.client_deadlines import (
+    CONNECTION_LOST,
     SlowReader,
     WriteDeadlineSend,
     header_value,
@@ -122,7 +123,7 @@ async def until_disconnected(
 
     `work` runs in the caller's task (one watcher task per request, no task per leg
     set and no `asyncio.wait`): the watcher cancels the caller when the client leaves."""
-    watch = _DisconnectWatch(request.receive)
+    watch = _DisconnectWatch(request.scope, request.receive)
     try:
         result = await work
     except asyncio.CancelledError:
@@ -144,24 +145,41 @@ async def until_disconnected(
 class _DisconnectWatch:
     """Cancels the task that made it once the client disconnects (`fired` is then True).
     `stop()` it when the guarded await is over; the caller `uncancel()`s after catching the
-    cancellation it caused."""
+    cancellation it caused. Behind the router's own server protocol a callback on the
+    connection's `CONNECTION_LOST` future does it; elsewhere a task waiting on `receive()`
+    for `http.disconnect`."""
 
-    __slots__ = ("_target", "_task", "fired")
+    __slots__ = ("_target", "_task", "_lost", "fired")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, scope: Scope, receive: Receive) -> None:
         target = asyncio.current_task()
         assert target is not None
         self._target = target
         self.fired = False
-        self._task = asyncio.ensure_future(self._run(receive))
+        self._task: asyncio.Future[None] | None = None
+        self._lost: asyncio.Future[None] | None = (
+            scope.get("extensions") or {}).get(CONNECTION_LOST, {}).get("future")
+        if self._lost is not None:
+            self._lost.add_done_callback(self._on_lost)
+        else:
+            self._task = asyncio.ensure_future(self._run(receive))
 
     async def _run(self, receive: Receive) -> None:
         await _wait_disconnect(receive)
+        self._fire()
+
+    def _on_lost(self, _lost: asyncio.Future[None]) -> None:
+        self._fire()
+
+    def _fire(self) -> None:
         self.fired = True
         self._target.cancel()
 
     def stop(self) -> None:
-        self._task.cancel()
+        if self._task is not None:
+            self._task.cancel()
+        elif self._lost is not None:
+            self._lost.remove_done_callback(self._on_lost)
 
     def uncancel(self) -> None:
         self._target.uncancel()
@@ -192,7 +210,7 @@ class RelayResponse(StreamingResponse):
         # Starlette's own __call__ (ASGI < 2.4, as uvicorn speaks) runs the relay and a
         # disconnect listener in an anyio task group per stream; one watcher task that
         # cancels this one does the same job for less.
-        watch = _DisconnectWatch(receive)
+        watch = _DisconnectWatch(scope, receive)
         deadline_send = WriteDeadlineSend(send, self._write_timeout_s)
         try:
             await self.stream_response(deadline_send)

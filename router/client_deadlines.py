@@ -27,8 +27,14 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pdgate.router.errors import PayloadTooLarge, RequestTimeout
 
-__all__ = ["SlowReader", "WriteDeadlineSend", "header_deadline_protocol", "header_value",
-           "read_body_within"]
+__all__ = ["CONNECTION_LOST", "SlowReader", "WriteDeadlineSend", "header_deadline_protocol",
+           "header_value", "read_body_within"]
+
+
+CONNECTION_LOST = "pdgate.connection_lost"
+"""Key in a request scope's `extensions`; its `future` is resolved when the client's
+connection closes. Watching it costs a callback; watching `receive()` for `http.disconnect`
+costs a task per request (router/api.py uses this when the server provides it)."""
 
 
 class _HeaderDeadlineProtocol(HttpToolsProtocol):
@@ -40,10 +46,13 @@ class _HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_CorkedTransport(transport, self.loop))  # type: ignore[arg-type]
+        self._lost: asyncio.Future[None] = self.loop.create_future()
         self._arm_header_timer()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        # ASGI extensions map a name to a dict of details.
+        self.scope["extensions"] = {CONNECTION_LOST: {"future": self._lost}}
         self._arm_header_timer()
 
     def on_headers_complete(self) -> None:
@@ -52,6 +61,8 @@ class _HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        if not self._lost.done():
+            self._lost.set_result(None)
         super().connection_lost(exc)
 
     def _arm_header_timer(self) -> None:

@@ -151,19 +151,23 @@ async def run_or_pull(
 async def run_leg(
     parts: FlowParts, role: Role, req: ClientRequest, call: Callable[[Endpoint], Awaitable[T]],
     *, reuse: Callable[[], bool] | None = None, stream: bool = False,
+    first: Endpoint | None = None,
 ) -> T:
     """One leg on a `role` engine through `with_failover`: choose (skipping engines that
     failed this request) → `call` → the breaker's verdict → another engine. When no untried
     engine is left and `reuse()` says the next body differs (decode without the KV params a
     dead P could not serve), an engine already tried may serve it. A stream's success is
-    recorded when it ends (the engines' stream listener), not here."""
+    recorded when it ends (the engines' stream listener), not here. `first`: the engine of
+    the first attempt, chosen earlier by the caller."""
     ctx = PickContext.of(req)
     policy = parts.policies[role]
+    preset = [first] if first is not None else []
 
     async def attempt(r: ClientRequest, ex: Exclusions) -> T:
         tried = ex.of(role)
         try:
-            ep = await choose(parts.pool, role, policy, ctx, exclude=tried)
+            ep = preset.pop() if preset else await choose(parts.pool, role, policy, ctx,
+                                                          exclude=tried)
         except NoEndpointAvailable:
             if not tried or reuse is None or not reuse():
                 raise

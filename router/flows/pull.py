@@ -40,6 +40,7 @@ from pdgate.router.flows.pull_early import (
     first_token,
     wants_early,
 )
+from pdgate.router.policies import PickContext, choose
 from pdgate.router.pool import Endpoint
 from pdgate.router.schema import ClientRequest
 from pdgate.router.sse import UsageRewriter
@@ -84,7 +85,7 @@ class PullFlow:
         try:
             if req.stream and prefill is not None and prefill.first is not None \
                     and prefill.kv_params is not None:
-                return self._stream_early(req, prefill, prefill.first, t0)
+                return await self._stream_early(req, prefill, prefill.first, t0)
             if req.stream:
                 return await self.open_decode(req, prefill, t0, mode)
             return await self.run_decode(req, prefill, t0, mode)
@@ -171,9 +172,11 @@ class PullFlow:
         chunks = self._relay(stream, usage, t0, mode, req.wants_usage_chunks)
         return StreamResult(chunks, stack.close)
 
-    async def _open_stream(self, req: ClientRequest, bodies: _DecodeBodies
+    async def _open_stream(self, req: ClientRequest, bodies: _DecodeBodies,
+                           first: Endpoint | None = None
                            ) -> tuple[EngineStream, contextlib.ExitStack]:
-        """Open D's stream (retrying before any byte); the stack closes it and D's slot."""
+        """Open D's stream (retrying before any byte; `first`: the engine to try first);
+        the stack closes it and D's slot."""
         parts = self.parts
 
         async def call(ep: Endpoint) -> tuple[EngineStream, contextlib.ExitStack]:
@@ -193,19 +196,24 @@ class PullFlow:
 
         with span("decode_leg_open"):
             return await run_leg(parts, "decode", req, call, reuse=bodies.take_fresh,
-                                 stream=True)
+                                 stream=True, first=first)
 
-    def _stream_early(self, req: ClientRequest, prefill: PrefillOutcome, first: FirstToken,
-                      t0: float) -> StreamResult:
-        """A stream that opens with P's token; D continues after it (pull_early)."""
+    async def _stream_early(self, req: ClientRequest, prefill: PrefillOutcome,
+                            first: FirstToken, t0: float) -> StreamResult:
+        """A stream that opens with P's token; D continues after it (pull_early). D is
+        chosen before the first byte so the response headers name it (a retry after that
+        byte goes to another D without changing them)."""
+        parts = self.parts
+        d_ep = await choose(parts.pool, "decode", parts.policies["decode"], PickContext.of(req))
+        req.served_by["decode"] = d_ep.url
         stack = contextlib.ExitStack()
         rewriter = UsageRewriter(lambda u: bill(u, first, prefill.usage))
-        chunks = relay_chunks(self._early_chunks(req, prefill, first, stack), rewriter,
-                              self.parts.metrics, t0, "disagg", req.wants_usage_chunks)
+        chunks = relay_chunks(self._early_chunks(req, prefill, first, d_ep, stack), rewriter,
+                              parts.metrics, t0, "disagg", req.wants_usage_chunks)
         return StreamResult(chunks, stack.close)
 
     async def _early_chunks(self, req: ClientRequest, prefill: PrefillOutcome,
-                            first: FirstToken, stack: contextlib.ExitStack
+                            first: FirstToken, d_ep: Endpoint, stack: contextlib.ExitStack
                             ) -> AsyncGenerator[bytes, None]:
         """P's token, then D's continuation. After the first byte a decode that cannot
         open ends the stream with an error event (relay_chunks); P's blocks are freed
@@ -214,7 +222,7 @@ class PullFlow:
         settled = False
         try:
             yield head_chunks(first.reply, False, req.wants_usage_chunks)
-            stream, leg = await self._open_stream(req, bodies)
+            stream, leg = await self._open_stream(req, bodies, d_ep)
             stack.callback(leg.close)
             bodies.settle(prefill)
             settled = True

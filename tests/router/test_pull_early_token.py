@@ -26,6 +26,9 @@ async def test_p_token_opens_the_stream_and_d_continues_after_it(
     resp = await router.client.post("/v1/completions", json=BODY)
     events = sse_events(resp.text)
     assert texts(events) == ["P", *d.tokens] and events[-1] == "[DONE]"
+    # D is chosen before the first byte, so the headers name both engines.
+    assert resp.headers["x-pdgate-prefill-engine"] == p.url
+    assert resp.headers["x-pdgate-decode-engine"] == d.url
     assert p.prefills[-1].body["return_token_ids"] is True
     cont = d.decodes[-1].body
     # D gets the prompt as P's ids plus P's token, one token less, and P's KV params.

@@ -57,8 +57,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                      "notify (P WRITEs into D's reserved blocks, tells this router's proxy) "
                      "| push (both legs at once; D registers its blocks with P)"),
     ("prefill_policy", str, "how to pick a prefill engine: round-robin | least-inflight | "
-                            "power-of-two | session | prefix-aware | kv-events (params: "
-                            "YAML {type, name, params})"),
+                            "power-of-two | session | prefix-aware | prefix-text | "
+                            "kv-events (params: YAML {type, name, params})"),
     ("decode_policy", str, "how to pick a decode engine (same choices as --prefill-policy)"),
     ("host", str, "address to listen on"),
     ("port", int, "port to listen on"),

@@ -204,9 +204,11 @@ def test_the_shim_spans_account_for_the_engines_time(
 ) -> None:
     cluster, receiver = traced
     trace = "5bf92f3577b34da6a3ce929d0e0e4737"
+    # A stop string keeps the plain pull flow (no early first token, whose decode leg sends
+    # D token ids), so both engines tokenize the text prompt.
     reply = httpx.post(cluster.router + "/v1/completions", timeout=120, json={
         "model": "tiny", "prompt": "Hello spans, a prompt of a few blocks", "max_tokens": 4,
-        "ignore_eos": True, "stream": True,
+        "ignore_eos": True, "stream": True, "temperature": 0, "stop": ["<never said>"],
     }, headers={"traceparent": f"00-{trace}-{CLIENT_SPAN}-01"})
     assert reply.status_code == 200, reply.text
     spans = spans_of(receiver, trace, 3 + 6 + 7)

@@ -17,7 +17,11 @@ Deadlines are absolute `loop.time()` values; a wait arms one timer only when the
 not already there (a small reply usually arrives with its headers in one read).
 
 A reused keep-alive connection that the server closed just as a request went out (no byte
-of a response came back) is retried once on a fresh connection, as browsers and aiohttp do.
+of a response came back, within `STALE_CLOSE_S` of sending) is retried once on a fresh
+connection, as browsers and aiohttp do. A drop later than that is an engine that took the
+request and died (or was killed) working on it: the request is not sent again behind the
+caller's back (engine POSTs are not idempotent: a prefill would pin its blocks twice); the
+flow's own retry and failover decide what happens next.
 """
 
 from __future__ import annotations
@@ -32,12 +36,15 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["BadResponse", "ConnectFailed", "ConnectionPool", "Dropped", "HTTPClientError",
-           "InvalidHeader", "Response"]
+__all__ = ["STALE_CLOSE_S", "BadResponse", "ConnectFailed", "ConnectionPool", "Dropped",
+           "HTTPClientError", "InvalidHeader", "Response"]
 
 _HIGH_WATER = 256 * 1024  # buffered body bytes before the socket stops being read
 _INLINE_BODY = 64 * 1024  # bodies up to this size go out in the same write as the headers
 _MAX_HEAD = 64 * 1024  # status line and headers: an engine sending more is not HTTP we take
+# A keep-alive connection the server had already closed drops the request at once (its FIN
+# crossed ours); later than this, the engine had the request.
+STALE_CLOSE_S = 0.25
 
 
 class HTTPClientError(Exception):
@@ -343,14 +350,16 @@ class ConnectionPool:
         Opening a connection must also finish by `connect_deadline`."""
         origin = self.origin(url)
         head = self._head(method, origin, path, headers, body)
+        loop = asyncio.get_running_loop()
         for _ in range(2):
             conn, reused = await self._acquire(origin, connect_deadline, deadline)
+            sent = loop.time()
             try:
                 conn.send(head, body)
                 await conn.read_headers(deadline)
             except Dropped:
                 self.release(origin, conn, False)
-                if reused and not conn.got_bytes:
+                if reused and not conn.got_bytes and loop.time() - sent < STALE_CLOSE_S:
                     continue  # the server closed this idle connection as the request left
                 raise
             except BaseException:

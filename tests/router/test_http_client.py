@@ -10,7 +10,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from pdgate.router.http_client import BadResponse, ConnectFailed, ConnectionPool, Dropped
+from pdgate.router.http_client import (
+    STALE_CLOSE_S,
+    BadResponse,
+    ConnectFailed,
+    ConnectionPool,
+    Dropped,
+)
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 OK = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
@@ -86,6 +92,27 @@ async def test_a_kept_alive_connection_the_server_closed_is_retried_once() -> No
         assert await get(pool, url) == (200, b"ok")
         assert await get(pool, url) == (200, b"ok")  # on a fresh connection
         assert len(accepted) == 2
+        await pool.close()
+
+
+async def test_a_kept_alive_connection_dropped_after_the_engine_took_the_request_is_not_retried(
+) -> None:
+    requests: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests.append(await read_request(reader))
+        writer.write(OK)
+        await writer.drain()
+        requests.append(await read_request(reader))
+        await asyncio.sleep(2 * STALE_CLOSE_S)  # working on it... then the engine dies
+
+    async with server(handler) as (url, accepted):
+        pool = new_pool()
+        assert await get(pool, url) == (200, b"ok")
+        with pytest.raises(Dropped):
+            await get(pool, url)
+        # Not sent again behind the caller's back: engine POSTs are not idempotent.
+        assert (len(requests), len(accepted)) == (2, 1)
         await pool.close()
 
 

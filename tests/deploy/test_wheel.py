@@ -6,6 +6,7 @@ from the package index, or pip's cache after `make test` built .venv)."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -89,3 +90,22 @@ def test_engine_commands_name_the_missing_extra(venv: Path, command: str) -> Non
     assert out.returncode == 2
     assert "pip install 'pdgate[shim]'" in out.stderr and "torch" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_router_image_context_builds_a_wheel_without_the_shim(tmp_path: Path) -> None:
+    """What the Dockerfile's router stage copies (no engine_shim/): the `pdgate/engine_shim`
+    link dangles there and the wheel has the router and proxy only."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for name in ("router", "proxy", "pdgate"):
+        shutil.copytree(ROOT / name, src / name, symlinks=True,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                    "-q", "-w", str(tmp_path / "dist"), str(src)], check=True, timeout=300)
+    (wheel,) = (tmp_path / "dist").glob("pdgate-*.whl")
+    packages = {n.rsplit("/", 1)[0] for n in zipfile.ZipFile(wheel).namelist()
+                if n.endswith("/__init__.py")}
+    assert {"pdgate", "pdgate/router", "pdgate/proxy"} <= packages
+    assert not [p for p in packages if "engine_shim" in p]

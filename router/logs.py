@@ -3,6 +3,7 @@ every line logged on its behalf (from router/request_context.py)."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from pdgate.proxy.log_format import LOG_FORMATS, configure_logging
@@ -23,5 +24,8 @@ def request_fields() -> dict[str, Any]:
 
 
 def setup_logging(level: str, fmt: str) -> None:
-    """Configure the process' logging (call once from `main`, before uvicorn runs)."""
+    """Configure the process' logging (call once from `main`, before uvicorn runs). Python
+    warnings (deprecations from libraries) come out as log lines of logger `py.warnings`,
+    in the same format, instead of bare text on stderr."""
     configure_logging(level, fmt, request_fields)
+    logging.captureWarnings(True)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import logging
+import sys
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from pdgate.proxy.log_format import configure_logging
 from pdgate.router import request_context
 from pdgate.router.health import EngineHealth, HealthSettings
-from pdgate.router.logs import request_fields
+from pdgate.router.logs import request_fields, setup_logging
 from pdgate.router.pool import Endpoint
 
 
@@ -79,3 +81,18 @@ def test_an_engine_still_starting_is_info_and_a_failing_one_a_warning(
         ep.set_healthy(False)  # it was up: now that is a failure
     assert [(r.levelname, r.getMessage().split(" is now ")[1]) for r in caplog.records] == [
         ("INFO", "not ready yet (starting)"), ("INFO", "healthy"), ("WARNING", "UNHEALTHY")]
+
+
+def test_python_warnings_become_log_lines_in_the_router_format(
+    stderr: io.StringIO, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(sys, "stderr", stderr)
+    try:
+        setup_logging("info", "json")
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.warn("an old API", DeprecationWarning, stacklevel=1)
+    finally:
+        logging.captureWarnings(False)
+    (line,) = (json.loads(x) for x in stderr.getvalue().splitlines())
+    assert line["logger"] == "py.warnings" and "an old API" in line["msg"]

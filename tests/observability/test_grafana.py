@@ -14,11 +14,13 @@ import httpx
 import pytest
 
 from tests.e2e.cluster import ROOT, Cluster
+from tests.vllm.venv import venv_dir
 
 pytestmark = pytest.mark.slow
 
 DASHBOARD = ROOT / "helm" / "pdgate" / "dashboards" / "pdgate.json"
-VLLM_SOURCES = sorted((ROOT / ".cache" / "vllm-venv" / "lib").glob("python*/site-packages/vllm"))
+# The cached vLLM venv (`make test` builds it; $PDGATE_VLLM_VENV moves it).
+VLLM_SOURCES = sorted((venv_dir() / "lib").glob("python*/site-packages/vllm"))
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"),
             "gauge": ("",), "summary": ("", "_sum", "_count")}
 SERIES = re.compile(r"\b(?:pdgate_\w+|vllm:\w+)")
@@ -66,7 +68,7 @@ def vllm_defined() -> set[str]:
 
 def test_vllm_queries_name_metrics_vllm_defines() -> None:
     if not VLLM_SOURCES:
-        pytest.skip("vLLM is not installed in .cache/vllm-venv (`make test-vllm` builds it)")
+        pytest.skip(f"vLLM is not installed in {venv_dir()} (`make vllm-venv` builds it)")
     defined = vllm_defined()
     used = {s for q in queries() for s in SERIES.findall(q) if s.startswith("vllm:")}
     bases = {re.sub(r"(_total|_bucket|_sum|_count)$", "", s) for s in used}

@@ -58,8 +58,12 @@ class Endpoint:
                     "UNHEALTHY" if failing else "not ready yet (starting)")
         self._seen_healthy = self._seen_healthy or healthy
         self.healthy = healthy
+        self.publish_health()
+
+    def publish_health(self) -> None:
+        """Set the engine-healthy gauge to the current verdict."""
         if self._healthy_gauge is not None:
-            self._healthy_gauge.set(1 if healthy else 0)
+            self._healthy_gauge.set(1 if self.healthy else 0)
 
 
 class EndpointPool:
@@ -92,7 +96,7 @@ class EndpointPool:
             _in_flight_gauge=metrics.engine_in_flight.labels(url, role),
             _healthy_gauge=metrics.engine_healthy.labels(url, role),
         )
-        ep.set_healthy(True)
+        ep.publish_health()  # assumed healthy until a probe says otherwise (not yet seen so)
         return ep
 
     def add(self, url: str, role: Role) -> Endpoint:

@@ -10,12 +10,14 @@ import warnings
 from collections.abc import Iterator
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from pdgate.proxy.log_format import configure_logging
 from pdgate.router import request_context
 from pdgate.router.health import EngineHealth, HealthSettings
 from pdgate.router.logs import request_fields, setup_logging
-from pdgate.router.pool import Endpoint
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.pool import EndpointPool
 
 
 @pytest.fixture
@@ -74,7 +76,8 @@ def test_breaker_closing_is_info_and_opening_a_warning(caplog: pytest.LogCapture
 def test_an_engine_still_starting_is_info_and_a_failing_one_a_warning(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    ep = Endpoint("http://127.0.0.1:9", "prefill", 0)
+    pool = EndpointPool(["http://127.0.0.1:9"], [], RouterMetrics.create(CollectorRegistry()))
+    (ep,) = pool.all()
     with caplog.at_level(logging.INFO, logger="pdgate.router.pool"):
         ep.set_healthy(False)  # the first probe, while the engine loads its model
         ep.set_healthy(True)

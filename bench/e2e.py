@@ -152,6 +152,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             finally:
                 stop(proc)
             print(f"  {mode:<10} done", file=sys.stderr, flush=True)
+    return add_pull_ratios(figures)
+
+
+def add_pull_ratios(figures: dict[str, Any]) -> dict[str, Any]:
+    """Each mode's TTFT and latency p50 as a ratio to pull's (when pull ran)."""
     pull = figures.get("pull")
     for f in figures.values():
         if pull:

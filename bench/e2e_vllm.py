@@ -29,7 +29,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.e2e import load  # noqa: E402
+from bench.e2e import add_pull_ratios, load  # noqa: E402
+from bench.e2e import table as mode_table  # noqa: E402
 from tests.vllm.model import ensure_vllm_tiny_model  # noqa: E402
 from tests.vllm.processes import (  # noqa: E402
     ENGINE_KEY,
@@ -54,11 +55,7 @@ def figures_for(args: argparse.Namespace, words: int, urls: dict[str, str]) -> d
         out[mode] = asyncio.run(load(urls[mode], run, 100_000 * (offset + 1) + words,
                                      {"Authorization": f"Bearer {ENGINE_KEY}"}))
         print(f"  {words} words, {mode:<10} done", file=sys.stderr, flush=True)
-    pull = out["pull"]
-    for f in out.values():
-        f["ttft_vs_pull"] = f["ttft_p50_ms"] / pull["ttft_p50_ms"]
-        f["latency_vs_pull"] = f["latency_p50_ms"] / pull["latency_p50_ms"]
-    return out
+    return add_pull_ratios(out)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,16 +84,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def table(figures: dict[str, Any]) -> str:
-    head = (f"{'words':>6} {'mode':<11} {'TTFT p50 ms':>12} {'TTFT p90 ms':>12} "
-            f"{'lat p50 ms':>11} {'req/s':>7} {'TTFT/pull':>10} {'lat/pull':>9}")
-    rows = [head, "-" * len(head)]
-    for words, modes in figures.items():
-        for mode, f in modes.items():
-            rows.append(f"{words:>6} {mode:<11} {f['ttft_p50_ms']:>12.1f} "
-                        f"{f['ttft_p90_ms']:>12.1f} {f['latency_p50_ms']:>11.1f} "
-                        f"{f['req_per_s']:>7.2f} {f['ttft_vs_pull']:>10.2f} "
-                        f"{f['latency_vs_pull']:>9.2f}")
-    return "\n".join(rows)
+    """bench/e2e.py's table, one per prompt length."""
+    return "\n\n".join(f"{words} words\n{mode_table(modes)}" for words, modes in figures.items())
 
 
 def main() -> int:

@@ -19,10 +19,10 @@ import msgspec
 
 from pdgate.router.schema import ClientRequest
 
-__all__ = ["eligible", "first_token_ids", "head_chunks"]
+__all__ = ["PARTIAL_CHAR", "eligible", "first_token_ids", "head_chunks"]
 
 _json_encode = msgspec.json.Encoder().encode
-_PARTIAL = "\ufffd"  # what a detokenizer shows for an incomplete multi-byte character
+PARTIAL_CHAR = "\ufffd"  # what a detokenizer shows for an incomplete multi-byte character
 # Body keys whose presence (non-null, non-empty) keeps a request on the plain notify flow.
 _BLOCKING_KEYS = ("stop", "logprobs", "top_logprobs", "echo", "suffix", "min_tokens",
                   "min_completion_tokens", "tools", "functions", "response_format",
@@ -67,7 +67,7 @@ def head_chunks(reply: Mapping[str, Any], chat: bool, include_usage: bool) -> by
     shaped like the engine's own chunks so the decode leg's continue them seamlessly."""
     choice = reply["choices"][0]
     text = (choice.get("message") or {}).get("content") if chat else choice.get("text")
-    if not isinstance(text, str) or text.endswith(_PARTIAL):
+    if not isinstance(text, str) or text.endswith(PARTIAL_CHAR):
         # P flushed a split character at its budget; D holds it back until the character
         # is complete and sends it then, so the client must not get it now.
         text = ""

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from pdgate.router.engines import PrefillUsage
-from pdgate.router.flows.early_token import eligible
+from pdgate.router.flows.early_token import PARTIAL_CHAR, eligible
 from pdgate.router.schema import ClientRequest
 
 __all__ = ["ASK_TOKEN_IDS", "FirstToken", "bill", "continuation", "first_token", "wants_early"]
@@ -33,7 +33,6 @@ ASK_TOKEN_IDS = "return_token_ids"
 # The completions API's `max_tokens` when the client gives none (OpenAI legacy, vLLM, shim):
 # the continuation must then ask for that many minus P's tokens, not the default again.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
-_PARTIAL = "\ufffd"  # a detokenizer's stand-in for an incomplete multi-byte character
 
 
 def wants_early(req: ClientRequest) -> bool:
@@ -63,7 +62,7 @@ def first_token(reply: Mapping[str, Any]) -> FirstToken | None:
                                    choice.get("token_ids"))
     if not (isinstance(text, str) and _ids(prompt_ids) and _ids(token_ids)):
         return None
-    if text.endswith(_PARTIAL):
+    if text.endswith(PARTIAL_CHAR):
         return None
     return FirstToken(dict(reply), list(prompt_ids), list(token_ids))
 

@@ -111,6 +111,20 @@ async def until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
         await asyncio.sleep(0.02)
 
 
+async def wait_until_ready(client: httpx.AsyncClient, proc: asyncio.subprocess.Process) -> None:
+    """Poll a router process's `/ready` (every 50 ms, up to 30 s) until it answers 200;
+    fails at once if the process exits."""
+    for _ in range(600):
+        try:
+            if (await client.get("/ready")).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert proc.returncode is None, "router exited"
+        await asyncio.sleep(0.05)
+    raise AssertionError("router not ready after 30 s")
+
+
 def sse_events(text: str) -> list[Any]:
     """The events of an SSE body: JSON objects, and "[DONE]" as a string."""
     events: list[Any] = []

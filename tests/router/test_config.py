@@ -17,6 +17,7 @@ import pytest
 from pdgate.router.cli import build_parser, config_from_args, main
 from pdgate.router.config import ConfigError, RouterConfig, load_config, validate_config
 from pdgate.router.policies import POLICIES
+from tests.router.conftest import wait_until_ready
 from tests.router.fake_engine import FakeEngine
 
 NAMES = frozenset(POLICIES)
@@ -133,14 +134,7 @@ async def test_python_m_router_serves_and_stops_on_signal(
     )
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            for _ in range(600):
-                try:
-                    if (await client.get("/ready")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert proc.returncode is None, "router exited"
-                await asyncio.sleep(0.05)
+            await wait_until_ready(client, proc)
             resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
             assert resp.status_code == 200
             assert resp.json()["choices"][0]["text"] == "Hello world!"
@@ -165,14 +159,7 @@ async def test_sigterm_drains_in_flight_requests_before_exiting(
     )
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
-            for _ in range(600):
-                try:
-                    if (await client.get("/ready")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert proc.returncode is None, "router exited"
-                await asyncio.sleep(0.05)
+            await wait_until_ready(client, proc)
             slow = asyncio.create_task(
                 client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}))
             while not d.requests:  # the decode leg has started: the request is in flight

@@ -18,6 +18,7 @@ from pdgate.router.config import RouterConfig
 from pdgate.router.policies import POLICIES
 from pdgate.router.policies.registry import build_policy
 from pdgate.router.tokenizer_setup import token_readers
+from tests.router.conftest import wait_until_ready
 from tests.router.fake_engine import FakeEngine
 from tests.router.test_config import free_port
 
@@ -71,14 +72,7 @@ async def test_pull_round_robin_serves_without_a_tokenizer(make_engine: MakeEngi
                               "--prefill-policy", "round-robin", "--log-level", "info")
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-            for _ in range(600):
-                try:
-                    if (await client.get("/ready")).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                assert proc.returncode is None, "router exited"
-                await asyncio.sleep(0.05)
+            await wait_until_ready(client, proc)
             body = {"model": NO_FILES, "prompt": "x", "max_tokens": 4}
             resp = await client.post("/v1/completions", json=body)
             assert resp.status_code == 200, resp.text

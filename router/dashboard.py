@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 from fastapi import FastAPI
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
 
@@ -112,7 +112,7 @@ class _Snapshot:
     buckets: tuple[tuple[float, float], ...]  # (upper bound, cumulative count)
 
 
-def _snapshot(histogram: Histogram, now: float) -> _Snapshot:
+def _snapshot(histogram: Collector, now: float) -> _Snapshot:
     count = total = 0.0
     buckets: dict[float, float] = {}
     for family in histogram.collect():
@@ -150,7 +150,7 @@ class HistogramWindow:
     `recent()` is called (each poll); until one is that old, the baseline is empty, i.e.
     everything observed so far counts."""
 
-    histogram: Histogram
+    histogram: Collector  # a histogram family
     window_s: float = 60.0
     clock: Callable[[], float] = time.monotonic
     _snapshots: deque[_Snapshot] = field(default_factory=deque)
@@ -174,7 +174,7 @@ class HistogramWindow:
                          _quantile(0.5, deltas), _quantile(0.95, deltas))
 
 
-def _by_label(metric: Counter | Gauge, label: str) -> dict[str, float]:
+def _by_label(metric: Collector, label: str) -> dict[str, float]:
     """Current values of `metric`'s children keyed by one label (the `_total` or gauge
     samples only)."""
     out: dict[str, float] = {}

@@ -15,12 +15,21 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
 
 from pdgate.proxy.metrics import NoCreatedRegistry
 from pdgate.router import request_context
+from pdgate.router.fast_metrics import (
+    CounterChild,
+    FastCounter,
+    FastGauge,
+    FastHistogram,
+    GaugeChild,
+    HistogramChild,
+    MetricFamily,
+)
 
-M = TypeVar("M", Counter, Gauge, Histogram)
+C = TypeVar("C", CounterChild, GaugeChild, HistogramChild)
 
 __all__ = ["NoCreatedRegistry", "RouterMetrics", "StreamUsage"]
 
@@ -69,35 +78,35 @@ def _model_label(model: object) -> str:
 class RouterMetrics:
     """Handles to every router metric. Label names are documented on each field."""
 
-    requests: Counter  # route, status
-    request_duration: Histogram  # route: arrival -> last byte sent
-    ttft: Histogram  # mode: arrival at the router -> first decode byte (see observe_ttft)
-    admission_wait: Histogram  # outcome (admitted | timeout | cancelled): time in the queue
-    prompt_tokens: Counter  # model: prompt tokens of served requests (from usage)
-    generation_tokens: Counter  # model: completion tokens of served requests (from usage)
-    inter_token_latency: Histogram  # gap between streamed chunks from decode
-    prefill_duration: Histogram  # prefill leg round trip
-    fallbacks: Counter  # reason
-    retries: Counter  # role
-    disagg_decisions: Counter  # reason
-    engine_healthy: Gauge  # engine, role (1 healthy, 0 not)
-    engine_in_flight: Gauge  # engine, role
-    policy_duration: Histogram  # role: one endpoint selection (all policy stages)
-    prefix_lookup_blocks: Counter  # role: full prompt blocks routed
-    prefix_hit_blocks: Counter  # role: of those, blocks the chosen engine was known to hold
-    prefix_index_entries: Gauge  # index (approx | kv_events): (engine, block) entries
-    kv_event_batches: Counter  # engine: KV-event batches received
-    kv_event_gaps: Counter  # engine: sequence gaps (lost KV-event messages)
-    admission_active: Gauge  # requests holding an admission slot
-    admission_queued: Gauge  # requests waiting for a slot
-    admission_rejected: Counter  # reason (queue_full | queue_timeout)
-    kv_aborts: Counter  # result (ok | unsupported | failed): P asked to free a request's KV
-    breaker_opened: Counter  # role: circuit breakers opened (engines ejected)
+    requests: FastCounter  # route, status
+    request_duration: FastHistogram  # route: arrival -> last byte sent
+    ttft: FastHistogram  # mode: arrival at the router -> first decode byte (see observe_ttft)
+    admission_wait: FastHistogram  # outcome (admitted | timeout | cancelled): time in the queue
+    prompt_tokens: FastCounter  # model: prompt tokens of served requests (from usage)
+    generation_tokens: FastCounter  # model: completion tokens of served requests (from usage)
+    inter_token_latency: FastHistogram  # gap between streamed chunks from decode
+    prefill_duration: FastHistogram  # prefill leg round trip
+    fallbacks: FastCounter  # reason
+    retries: FastCounter  # role
+    disagg_decisions: FastCounter  # reason
+    engine_healthy: FastGauge  # engine, role (1 healthy, 0 not)
+    engine_in_flight: FastGauge  # engine, role
+    policy_duration: FastHistogram  # role: one endpoint selection (all policy stages)
+    prefix_lookup_blocks: FastCounter  # role: full prompt blocks routed
+    prefix_hit_blocks: FastCounter  # role: of those, blocks the chosen engine was known to hold
+    prefix_index_entries: FastGauge  # index (approx | kv_events): (engine, block) entries
+    kv_event_batches: FastCounter  # engine: KV-event batches received
+    kv_event_gaps: FastCounter  # engine: sequence gaps (lost KV-event messages)
+    admission_active: FastGauge  # requests holding an admission slot
+    admission_queued: FastGauge  # requests waiting for a slot
+    admission_rejected: FastCounter  # reason (queue_full | queue_timeout)
+    kv_aborts: FastCounter  # result (ok | unsupported | failed): P asked to free a request's KV
+    breaker_opened: FastCounter  # role: circuit breakers opened (engines ejected)
     _children: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict, repr=False)
 
-    def child(self, metric: M, *labels: str) -> M:
+    def child(self, metric: MetricFamily[C], *labels: str) -> C:
         """`metric.labels(*labels)`, cached: label values on the hot path come from small
-        fixed sets (routes, statuses, reasons), and `labels()` takes a lock each call."""
+        fixed sets (routes, statuses, reasons); one dict lookup, no label conversion."""
         key = (id(metric), labels)
         found = self._children.get(key)
         if found is None:
@@ -166,101 +175,101 @@ class RouterMetrics:
         """Register all metrics on `registry` (one registry per app)."""
         r = registry
         return cls(
-            requests=Counter(
+            requests=FastCounter(
                 "pdgate_requests", "HTTP requests by route and status", ["route", "status"],
                 registry=r,
             ),
-            request_duration=Histogram(
+            request_duration=FastHistogram(
                 "pdgate_request_duration_seconds", "End-to-end request time", ["route"],
                 buckets=_DURATION_BUCKETS, registry=r,
             ),
-            ttft=Histogram(
+            ttft=FastHistogram(
                 "pdgate_ttft_seconds",
                 "Request arrival at the router to the first byte from the decode engine",
                 ["mode"], buckets=_LATENCY_BUCKETS, registry=r,
             ),
-            admission_wait=Histogram(
+            admission_wait=FastHistogram(
                 "pdgate_admission_wait_seconds",
                 "Time a request waited for an admission slot, by outcome", ["outcome"],
                 buckets=_QUEUE_BUCKETS, registry=r,
             ),
-            prompt_tokens=Counter(
+            prompt_tokens=FastCounter(
                 "pdgate_prompt_tokens", "Prompt tokens of served requests", ["model"],
                 registry=r,
             ),
-            generation_tokens=Counter(
+            generation_tokens=FastCounter(
                 "pdgate_generation_tokens", "Completion tokens of served requests", ["model"],
                 registry=r,
             ),
-            inter_token_latency=Histogram(
+            inter_token_latency=FastHistogram(
                 "pdgate_inter_token_latency_seconds", "Gap between streamed decode chunks",
                 buckets=_ITL_BUCKETS, registry=r,
             ),
-            prefill_duration=Histogram(
+            prefill_duration=FastHistogram(
                 "pdgate_prefill_duration_seconds", "Prefill leg round trip",
                 buckets=_LATENCY_BUCKETS, registry=r,
             ),
-            fallbacks=Counter(
+            fallbacks=FastCounter(
                 "pdgate_fallbacks", "Decode legs run without KV from prefill", ["reason"],
                 registry=r,
             ),
-            retries=Counter(
+            retries=FastCounter(
                 "pdgate_retries", "Engine legs retried on another engine", ["role"],
                 registry=r,
             ),
-            disagg_decisions=Counter(
+            disagg_decisions=FastCounter(
                 "pdgate_disagg_decisions", "Disaggregate-or-not decisions", ["reason"],
                 registry=r,
             ),
-            engine_healthy=Gauge(
+            engine_healthy=FastGauge(
                 "pdgate_engine_healthy", "1 if the engine's last health check passed",
                 ["engine", "role"], registry=r,
             ),
-            engine_in_flight=Gauge(
+            engine_in_flight=FastGauge(
                 "pdgate_engine_in_flight", "Requests in flight per engine", ["engine", "role"],
                 registry=r,
             ),
-            policy_duration=Histogram(
+            policy_duration=FastHistogram(
                 "pdgate_policy_duration_seconds", "Time to select one engine", ["role"],
                 buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2),
                 registry=r,
             ),
-            prefix_lookup_blocks=Counter(
+            prefix_lookup_blocks=FastCounter(
                 "pdgate_prefix_lookup_blocks", "Full prompt blocks routed", ["role"],
                 registry=r,
             ),
-            prefix_hit_blocks=Counter(
+            prefix_hit_blocks=FastCounter(
                 "pdgate_prefix_hit_blocks",
                 "Routed prompt blocks the chosen engine was known to hold", ["role"],
                 registry=r,
             ),
-            prefix_index_entries=Gauge(
+            prefix_index_entries=FastGauge(
                 "pdgate_prefix_index_entries", "(engine, block) entries in a prefix index",
                 ["index"], registry=r,
             ),
-            kv_event_batches=Counter(
+            kv_event_batches=FastCounter(
                 "pdgate_kv_event_batches", "KV-event batches received", ["engine"],
                 registry=r,
             ),
-            kv_event_gaps=Counter(
+            kv_event_gaps=FastCounter(
                 "pdgate_kv_event_gaps", "Gaps in KV-event sequence numbers", ["engine"],
                 registry=r,
             ),
-            admission_active=Gauge(
+            admission_active=FastGauge(
                 "pdgate_admission_active", "Requests holding an admission slot", registry=r,
             ),
-            admission_queued=Gauge(
+            admission_queued=FastGauge(
                 "pdgate_admission_queued", "Requests waiting for an admission slot", registry=r,
             ),
-            admission_rejected=Counter(
+            admission_rejected=FastCounter(
                 "pdgate_admission_rejected", "Requests refused with 429", ["reason"],
                 registry=r,
             ),
-            kv_aborts=Counter(
+            kv_aborts=FastCounter(
                 "pdgate_kv_aborts", "Requests to a prefill engine to free a request's KV",
                 ["result"], registry=r,
             ),
-            breaker_opened=Counter(
+            breaker_opened=FastCounter(
                 "pdgate_breaker_opened", "Engine circuit breakers opened (engine ejected)",
                 ["role"], registry=r,
             ),

@@ -17,8 +17,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from prometheus_client import Gauge
-
+from pdgate.router.fast_metrics import GaugeChild
 from pdgate.router.health import EngineHealth, HealthSettings
 from pdgate.router.metrics import RouterMetrics
 
@@ -43,8 +42,8 @@ class Endpoint:
     draining: bool = False
     # Thresholded probe verdicts, passive ejection, circuit breaker (router/health.py).
     health: EngineHealth = field(default_factory=EngineHealth, repr=False)
-    _in_flight_gauge: Gauge | None = field(default=None, repr=False)
-    _healthy_gauge: Gauge | None = field(default=None, repr=False)
+    _in_flight_gauge: GaugeChild | None = field(default=None, repr=False)
+    _healthy_gauge: GaugeChild | None = field(default=None, repr=False)
     _seen_healthy: bool = field(default=False, repr=False)  # has any probe passed yet?
 
     def set_healthy(self, healthy: bool) -> None:

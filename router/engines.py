@@ -30,10 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import codecs
-import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -322,22 +321,32 @@ def _not_the_protocol(url: str, path: str, why: str) -> EngineProtocolError:
                                f"protocol: {why}")
 
 
-@contextlib.contextmanager
-def _translate(url: str, what: str) -> Iterator[None]:
-    """Map the HTTP client's failures raised in the block to `RouterError`s."""
-    try:
-        yield
-    except RouterError:
-        raise
-    except TimeoutError:  # every deadline of the client
-        raise EngineTimeout(f"engine {url} timed out ({what})") from None
-    except ConnectFailed as exc:
-        raise EngineUnavailable(f"cannot connect to engine {url}: {exc}",
-                                connect_failed=True) from None
-    except Dropped as exc:
-        raise EngineUnavailable(f"engine {url} dropped the connection: {exc}") from None
-    except (BadResponse, HTTPClientError) as exc:
-        raise EngineError(f"engine {url} request failed: {exc}") from None
+class _translate:  # noqa: N801 -- used like the function it was: `with _translate(...)`
+    """Map the HTTP client's failures raised in the block to `RouterError`s. (A class:
+    a generator-based context manager costs a generator and two frames per leg.)"""
+
+    __slots__ = ("_url", "_what")
+
+    def __init__(self, url: str, what: str) -> None:
+        self._url, self._what = url, what
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        if exc is None or isinstance(exc, RouterError):
+            return
+        url = self._url
+        if isinstance(exc, TimeoutError):  # every deadline of the client
+            raise EngineTimeout(f"engine {url} timed out ({self._what})") from None
+        if isinstance(exc, ConnectFailed):
+            raise EngineUnavailable(f"cannot connect to engine {url}: {exc}",
+                                    connect_failed=True) from None
+        if isinstance(exc, Dropped):
+            raise EngineUnavailable(f"engine {url} dropped the connection: {exc}") from None
+        if isinstance(exc, (BadResponse, HTTPClientError)):
+            raise EngineError(f"engine {url} request failed: {exc}") from None
 
 
 StreamListener = Callable[[str, RouterError | None], None]

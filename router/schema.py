@@ -99,6 +99,9 @@ class ClientRequest:
     client_headers: Mapping[str, str] = field(default_factory=dict)
     # The client's own X-Request-Id (sanitised), for logs and the response header only.
     client_request_id: str | None = None
+    # The `PickContext` policies see, built by the first leg that chooses an engine and
+    # shared by the others (with the prompt hashes it computed): `PickContext.of`.
+    pick_context: Any = None
 
     @property
     def stream(self) -> bool:

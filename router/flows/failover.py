@@ -93,9 +93,22 @@ async def with_failover(
     """`run(attempt_req, exclusions)`, again on other engines after a `LegFailure` that
     `note_failure` deems retryable, up to `max_retries` more times. `fresh_ids`: later
     attempts get their own engine-side request id (`attempt_request`)."""
-    excluded = Exclusions()
+    return await _failover_from(0, None, req, run, Exclusions(), max_retries=max_retries,
+                                retry_backoff_s=retry_backoff_s, metrics=metrics,
+                                fresh_ids=fresh_ids)
+
+
+async def _failover_from(
+    first: int, failed: LegFailure | None, req: ClientRequest,
+    run: Callable[[ClientRequest, Exclusions], Awaitable[T]], excluded: Exclusions, *,
+    max_retries: int, retry_backoff_s: float, metrics: RouterMetrics, fresh_ids: bool,
+) -> T:
+    """`with_failover`'s loop from attempt `first`; `failed`: how attempt `first - 1`
+    failed (run by the caller, e.g. `run_leg`'s first attempt)."""
     last: RouterError | None = None
-    for attempt in range(max_retries + 1):
+    if failed is not None:
+        last = _retry_or_raise(req, failed, first - 1, max_retries, excluded, metrics)
+    for attempt in range(first, max_retries + 1):
         if attempt:
             await asyncio.sleep(backoff_s(attempt, retry_backoff_s))
         try:
@@ -105,16 +118,22 @@ async def with_failover(
                 raise
             raise last from None  # no other engine left: the client hears why it failed
         except LegFailure as failure:
-            last = failure.error
-            if not note_failure(failure.role, failure.ep, failure.error) \
-                    or attempt == max_retries:
-                raise failure.error from None
-            excluded.of(failure.role).append(failure.ep)
-            metrics.retries.labels(failure.role).inc()
-            log.warning("request %s: %s leg failed on %s (%s); retrying on "
-                        "another engine", req.request_id, failure.role, failure.ep.url,
-                        failure.error.message)
+            last = _retry_or_raise(req, failure, attempt, max_retries, excluded, metrics)
     raise AssertionError("unreachable")
+
+
+def _retry_or_raise(req: ClientRequest, failure: LegFailure, attempt: int, max_retries: int,
+                    excluded: Exclusions, metrics: RouterMetrics) -> RouterError:
+    """After attempt `attempt` failed: raise the engine's error when it may not be retried
+    (or no retry is left), else exclude the engine, count the retry and return the error."""
+    if not note_failure(failure.role, failure.ep, failure.error) or attempt == max_retries:
+        raise failure.error from None
+    excluded.of(failure.role).append(failure.ep)
+    metrics.retries.labels(failure.role).inc()
+    log.warning("request %s: %s leg failed on %s (%s); retrying on "
+                "another engine", req.request_id, failure.role, failure.ep.url,
+                failure.error.message)
+    return failure.error
 
 
 class PullInstead(Exception):  # noqa: N818 -- a signal, not an error
@@ -161,13 +180,24 @@ async def run_leg(
     the first attempt, chosen earlier by the caller."""
     ctx = PickContext.of(req)
     policy = parts.policies[role]
-    preset = [first] if first is not None else []
+    # The first attempt runs here, outside the retry loop (no closure, no loop frames):
+    # most legs need no other. Nothing was tried yet, so a `NoEndpointAvailable` from
+    # `choose` goes straight to the caller, as the loop's first attempt would send it.
+    ep = first if first is not None else await choose(parts.pool, role, policy, ctx)
+    try:
+        result = await call(ep)
+    except RouterError as exc:
+        failed = LegFailure(role, ep, exc)
+    else:
+        if not stream:
+            ep.health.record_success()
+        req.served_by[role] = ep.url
+        return result
 
     async def attempt(r: ClientRequest, ex: Exclusions) -> T:
         tried = ex.of(role)
         try:
-            ep = preset.pop() if preset else await choose(parts.pool, role, policy, ctx,
-                                                          exclude=tried)
+            ep = await choose(parts.pool, role, policy, ctx, exclude=tried)
         except NoEndpointAvailable:
             if not tried or reuse is None or not reuse():
                 raise
@@ -181,6 +211,7 @@ async def run_leg(
         r.served_by[role] = ep.url
         return result
 
-    return await with_failover(req, attempt, max_retries=parts.max_retries,
-                               retry_backoff_s=parts.retry_backoff_s, metrics=parts.metrics,
-                               fresh_ids=False)
+    return await _failover_from(1, failed, req, attempt, Exclusions(),
+                                max_retries=parts.max_retries,
+                                retry_backoff_s=parts.retry_backoff_s,
+                                metrics=parts.metrics, fresh_ids=False)

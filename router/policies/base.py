@@ -56,12 +56,18 @@ class PickContext:
 
     @classmethod
     def of(cls, req: ClientRequest) -> PickContext:
-        """The context of a validated client request."""
+        """The context of a validated client request: built once per request (after its
+        prompt was tokenized, when it is), then reused by every leg and retry."""
+        found = req.pick_context
+        if isinstance(found, PickContext):
+            return found
         user = req.body.get("user")
         prompt = req.prompt if isinstance(req.prompt, str) else None
-        return cls(req.request_id, req.prompt_token_ids, req.client_headers,
-                   user if isinstance(user, str) else None, prompt,
-                   req.body.get("messages") if req.kind == "chat" else None)
+        ctx = req.pick_context = cls(
+            req.request_id, req.prompt_token_ids, req.client_headers,
+            user if isinstance(user, str) else None, prompt,
+            req.body.get("messages") if req.kind == "chat" else None)
+        return ctx
 
     def prompt_text(self) -> str | None:
         """The prompt's text (a chat's messages as `role: content` lines), or None for

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import fcntl
 import json
 import os
@@ -457,6 +458,27 @@ def _row(args: argparse.Namespace, tools: Tools, port: int, proc: subprocess.Pop
                run.p99_ms, cpu * 1e6 / max(run.requests, 1), run.errors)
 
 
+_RUNTIME = ("import sys\n"
+            "try:\n    import uvloop\n    loop = f'uvloop {uvloop.__version__}'\n"
+            "except ImportError:\n    loop = 'asyncio (no uvloop: slower)'\n"
+            "print(f'Python {sys.version.split()[0]}, event loop {loop}')")
+
+
+def pdgate_runtime(args: argparse.Namespace) -> str:
+    """The Python and event loop pdgate runs on (uvicorn takes uvloop when importable;
+    the router's own log says so at INFO), and the machine's CPU model."""
+    cwd = Path(args.pdgate_root) if args.pdgate_root else ROOT
+    out = subprocess.run([sys.executable, "-c", _RUNTIME], capture_output=True, text=True,
+                         cwd=cwd).stdout.strip()
+    cpu = "unknown CPU"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return f"pdgate on {out}; {os.cpu_count()} x {cpu}"
+
+
 def print_table(rows: list[Row], ceiling: float, args: argparse.Namespace,
                 tools: Tools) -> None:
     ref = {(r.case, r.words, r.format): r for r in rows if r.router == "vllm-router"}
@@ -464,6 +486,7 @@ def print_table(rows: list[Row], ceiling: float, args: argparse.Namespace,
     print(f"pull mode, max_tokens {MAX_TOKENS}, {args.connections} connections, "
           f"{args.duration:g} s per row; one-core cases on cpu {args.router_cpus}, "
           f"x{args.multi_workers} on cpus {args.multi_cpus}; load on cpus {args.load_cpus}")
+    print(pdgate_runtime(args))
     print(f"{'router':<12}{'case':<6}{'policy':<12}{'words':>6} {'fmt':<5}{'req/s':>8}"
           f"{'p50 ms':>8}{'p99 ms':>8}{'CPU us/req':>11}{'x req/s':>8}{'x CPU':>7}"
           f"{'x 1 core':>9}{'errors':>7}")
@@ -546,7 +569,7 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows, ceiling, args, tools)
     if args.json:
         print(json.dumps({"rows": [asdict(r) for r in rows], "loadgen_ceiling_rps": ceiling,
-                          "connections": args.connections}))
+                          "connections": args.connections, "runtime": pdgate_runtime(args)}))
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ def create_app(
         async with tracing.running(), _serving_state(
                 config, registry or RouterMetrics.registry(), tokenizer, bool(readers)) as st:
             holder.set(st)
+            log.info("serving on the %s event loop", _loop_name())
             sampler = asyncio.create_task(dashboard.sample_forever())  # its rate history
             try:
                 yield
@@ -105,6 +106,12 @@ def create_app(
             route = cls(route, **options)
         fast[path] = route
     return FastRoutes(app, fast)
+
+
+def _loop_name() -> str:
+    """`uvloop` or `asyncio` (uvicorn picks uvloop when it is installed): benchmarks and
+    operators should see which one served, since the router's CPU per request depends on it."""
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
 
 
 def _middlewares(config: RouterConfig, tracing: TracingSlot) -> list[tuple[Any, dict[str, Any]]]:

@@ -2,8 +2,9 @@
 
 A pure ASGI middleware (streaming answers pass through untouched): it opens the request's
 `RequestRecord` (router/request_context.py) so that everything below can note what it
-learns, watches the response start for the status and the engine headers the API sets, and
-logs once the app returned, i.e. after the last byte of a stream. Fields: method, path,
+learns (the completion handler notes the ids and the engines that served, the ones its
+response headers name), watches the response start for the status, and logs once the app
+returned, i.e. after the last byte of a stream. Fields: method, path,
 status, duration_s, request_id, client_request_id, model, mode, fallback, ttft_s,
 admission_wait_s, prompt_tokens, completion_tokens, prefill_engine, decode_engine (null
 when unknown).
@@ -27,7 +28,6 @@ __all__ = ["AccessLogMiddleware"]
 
 log = logging.getLogger("pdgate.router.access")
 _QUIET = frozenset({"/health", "/ready", "/metrics", "/dashboard/state"})
-_ENGINE_HEADERS = {b"x-pdgate-prefill-engine": "prefill", b"x-pdgate-decode-engine": "decode"}
 
 
 class AccessLogMiddleware:
@@ -52,7 +52,6 @@ class AccessLogMiddleware:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                _note_headers(record, message.get("headers", ()))
             await send(message)
 
         try:
@@ -64,15 +63,6 @@ class AccessLogMiddleware:
                 log.log(level, "%s %s %d %.3fs", record.method, record.path, status,
                         fields["duration_s"], extra={"fields": fields})
             request_context.close_record(token)
-
-
-def _note_headers(record: RequestRecord, headers: Any) -> None:
-    for name, value in headers:
-        role = _ENGINE_HEADERS.get(bytes(name).lower())
-        if role is not None:
-            record.engines[role] = bytes(value).decode("latin-1")
-        elif record.request_id is None and bytes(name).lower() == b"x-pdgate-request-id":
-            record.request_id = bytes(value).decode("latin-1")
 
 
 def _mode(record: RequestRecord, pd_mode: str) -> str | None:

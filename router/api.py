@@ -322,6 +322,8 @@ def _completion_handler(
         # X-Pdgate-Request-Id: the id engines logged this request under (for operators).
         headers = {"X-Request-Id": ids.echo, "X-Pdgate-Request-Id": ids.internal,
                    **_engine_headers(req)}
+        if (record := request_context.current()) is not None:
+            record.engines.update(req.served_by)  # the engines the headers name
         if isinstance(result, bytes):
             _count(st, route, 200, t0)
             return Response(result, 200, headers, "application/json")

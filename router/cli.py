@@ -252,6 +252,9 @@ def serve(config: RouterConfig, *, app: Any = None, sock: socket.socket | None =
         http=header_deadline_protocol(config.header_timeout_s),
         timeout_graceful_shutdown=int(config.shutdown_timeout_s + 0.999),
         log_level=config.log_level, access_log=False, log_config=None,
+        # Nothing in the router reads the client address or scheme that uvicorn's proxy
+        # headers middleware rewrites: it would be one more layer on every request.
+        proxy_headers=False,
     ))
     _quiet_gc()
     # asyncio's create_server listens on `sock` once the lifespan is up: until then the

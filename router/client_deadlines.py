@@ -27,14 +27,18 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from pdgate.router.errors import PayloadTooLarge, RequestTimeout
 
-__all__ = ["CONNECTION_LOST", "SlowReader", "WriteDeadlineSend", "header_deadline_protocol",
-           "header_value", "read_body_within"]
+__all__ = ["BODY_COMPLETE", "CONNECTION_LOST", "SlowReader", "WriteDeadlineSend",
+           "header_deadline_protocol", "header_value", "read_body_within"]
 
 
 CONNECTION_LOST = "pdgate.connection_lost"
 """Key in a request scope's `extensions`; its `future` is resolved when the client's
 connection closes. Watching it costs a callback; watching `receive()` for `http.disconnect`
 costs a task per request (router/api.py uses this when the server provides it)."""
+
+BODY_COMPLETE = "pdgate.body_complete"
+"""Key in a request scope's `extensions`; its `complete` is True once the server has the
+whole request body (`read_body_within` then reads it without arming its deadlines)."""
 
 
 class _HeaderDeadlineProtocol(HttpToolsProtocol):
@@ -43,6 +47,7 @@ class _HeaderDeadlineProtocol(HttpToolsProtocol):
 
     header_timeout_s = 10.0
     _header_timer: asyncio.TimerHandle | None = None
+    _body_state: dict[object, object]
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_CorkedTransport(transport, self.loop))  # type: ignore[arg-type]
@@ -52,8 +57,14 @@ class _HeaderDeadlineProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         # ASGI extensions map a name to a dict of details.
-        self.scope["extensions"] = {CONNECTION_LOST: {"future": self._lost}}
+        self._body_state = {"complete": False}
+        lost: dict[object, object] = {"future": self._lost}
+        self.scope["extensions"] = {CONNECTION_LOST: lost, BODY_COMPLETE: self._body_state}
         self._arm_header_timer()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._body_state["complete"] = True
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
@@ -157,30 +168,51 @@ async def read_body_within(
     if length is not None and length.isdigit() and int(length) > limit:
         raise PayloadTooLarge(f"request body exceeds {limit} bytes")
     receive = request.receive
-    parts: list[bytes] = []
-    size = 0
+    body = _Body(limit)
+    if (request.scope.get("extensions") or {}).get(BODY_COMPLETE, {}).get("complete"):
+        # The server holds the whole body (a small body comes with the headers): reading
+        # it waits for nothing, so no deadline is armed.
+        while body.take(await receive()):
+            pass
+        return body.joined()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + total_s
     try:
         async with asyncio.timeout(min(loop.time() + chunk_s, deadline)) as timer:
-            while True:
-                message = await receive()
-                if message["type"] != "http.request":
-                    raise ClientDisconnect()
-                part = message.get("body", b"")
-                if part:
-                    size += len(part)
-                    if size > limit:
-                        raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-                    parts.append(part)
-                if not message.get("more_body", False):
-                    break
+            while body.take(await receive()):
                 timer.reschedule(min(loop.time() + chunk_s, deadline))
     except TimeoutError:
         raise RequestTimeout(
             f"request body not received in time (at most {total_s:g}s in all and "
             f"{chunk_s:g}s between chunks)") from None
-    return parts[0] if len(parts) == 1 else b"".join(parts)
+    return body.joined()
+
+
+class _Body:
+    """A request body's pieces as ASGI messages bring them, within `limit` bytes."""
+
+    __slots__ = ("_parts", "_size", "_limit")
+
+    def __init__(self, limit: int) -> None:
+        self._parts: list[bytes] = []
+        self._size = 0
+        self._limit = limit
+
+    def take(self, message: Message) -> bool:
+        """Add one ASGI request message's body; True while more body follows."""
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        part = message.get("body", b"")
+        if part:
+            self._size += len(part)
+            if self._size > self._limit:
+                raise PayloadTooLarge(f"request body exceeds {self._limit} bytes")
+            self._parts.append(part)
+        return bool(message.get("more_body", False))
+
+    def joined(self) -> bytes:
+        parts = self._parts
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def header_value(scope: Scope, name: bytes) -> str | None:

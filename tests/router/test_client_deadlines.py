@@ -129,3 +129,29 @@ async def test_oversized_client_headers_never_count_against_engines(
     assert admin.json() == {"status": "ready", "prefill_healthy": 1, "decode_healthy": 1}
     async with httpx.AsyncClient(base_url=router.url) as bystander:
         assert (await bystander.post(COMPLETIONS, json=BODY)).status_code == 200
+
+
+async def _whole_chunked(router: RunningRouter, body: bytes, pieces: int) -> bytes:
+    """A chunked request sent in one write: the server has the whole body at once."""
+    step = -(-len(body) // pieces)
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + step]), body[i:i + step])
+                      for i in range(0, len(body), step))
+    reader, writer = await asyncio.open_connection(*_hostport(router))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nTransfer-Encoding: chunked\r\n\r\n" + chunks + b"0\r\n\r\n")
+    try:
+        return await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    finally:
+        writer.close()
+
+
+async def test_a_body_that_arrived_whole_is_joined_and_bounded_without_deadlines(
+    make_engine: MakeEngine, start_router: StartRouter
+) -> None:
+    # The whole-body path (no deadline armed) still joins every piece and enforces the limit.
+    body = b'{"model": "%s", "prompt": "%s", "max_tokens": 3}' % (MODEL.encode(), b"hi " * 40)
+    router = await start_router([await make_engine()], [await make_engine()],
+                                max_body_bytes=len(body))
+    assert (await _whole_chunked(router, body, 4)).startswith(b"HTTP/1.1 200")
+    bigger = body.replace(b'"hi ', b'"hi hi ')
+    assert (await _whole_chunked(router, bigger, 4)).startswith(b"HTTP/1.1 413")

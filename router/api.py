@@ -46,7 +46,7 @@ from pdgate.router.limits import InputLimits
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.orchestrator import Orchestrator, StreamResult
 from pdgate.router.pool import EndpointPool
-from pdgate.router.request_ids import client_request_id, new_internal_id
+from pdgate.router.request_ids import InternalIds, client_request_id
 from pdgate.router.schema import ClientRequest, classify_prompt, parse_chat, parse_completion
 from pdgate.router.tracing import span
 
@@ -268,10 +268,12 @@ def build_request(
 def _completion_handler(
     holder: StateHolder, kind: str, route: str
 ) -> Callable[[Request], Awaitable[Response]]:
+    internal_ids = InternalIds()
+
     async def handler(request: Request) -> Response:
         st = holder.state
         t0 = time.perf_counter()
-        ids = _Ids(new_internal_id(),
+        ids = _Ids(internal_ids.new(),
                    client_request_id(header_value(request.scope, b"x-request-id")))
         request_context.bind_ids(ids.internal, ids.client)  # for log lines and access line
         cfg = st.config

@@ -48,6 +48,7 @@ class _HeaderDeadlineProtocol(HttpToolsProtocol):
     header_timeout_s = 10.0
     _header_timer: asyncio.TimerHandle | None = None
     _body_state: dict[object, object]
+    _in_headers = False  # a request began and its headers are not complete yet
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_CorkedTransport(transport, self.loop))  # type: ignore[arg-type]
@@ -60,13 +61,21 @@ class _HeaderDeadlineProtocol(HttpToolsProtocol):
         self._body_state = {"complete": False}
         lost: dict[object, object] = {"future": self._lost}
         self.scope["extensions"] = {CONNECTION_LOST: lost, BODY_COMPLETE: self._body_state}
-        self._arm_header_timer()
+        # The timer is armed by `data_received` only if this read ends inside the headers:
+        # most requests arrive whole, and a timer armed and cancelled in one read is waste.
+        self._in_headers = True
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._in_headers:
+            self._arm_header_timer()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._body_state["complete"] = True
 
     def on_headers_complete(self) -> None:
+        self._in_headers = False
         self._disarm_header_timer()
         super().on_headers_complete()
 

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -259,20 +259,22 @@ class _DecodeBodies:
         self._body = decode_leg_body(self._base, prefill.kv_params if prefill else None)
         self._fresh = False  # the params were just dropped; no attempt has run without them
 
-    @contextlib.contextmanager
-    def attempt(self) -> Iterator[bytes]:
+    def attempt(self) -> _Attempt:
+        """`with bodies.attempt() as body:` one attempt of the decode leg with `body`."""
+        return _Attempt(self)
+
+    def _started(self) -> bytes:
         self._fresh = False  # this attempt runs the current body
-        try:
-            yield self._body
-        except RouterError as exc:
-            if isinstance(exc, EngineUnavailable) and exc.connect_failed:
-                raise
-            if self.prefill is not None and self.prefill.kv_params is not None:
-                self._flow.parts.metrics.count_fallback("decode_retry")
-                self.prefill = None  # billing: D's own usage from now on
-                self._body = decode_leg_body(self._base, None)
-                self._fresh = True
-            raise
+        return self._body
+
+    def _failed(self, exc: RouterError) -> None:
+        if isinstance(exc, EngineUnavailable) and exc.connect_failed:
+            return  # D never saw the params: the next D may use them
+        if self.prefill is not None and self.prefill.kv_params is not None:
+            self._flow.parts.metrics.count_fallback("decode_retry")
+            self.prefill = None  # billing: D's own usage from now on
+            self._body = decode_leg_body(self._base, None)
+            self._fresh = True
 
     def take_fresh(self) -> bool:
         """True once after the KV params were dropped: the recompute body has not run on
@@ -286,6 +288,25 @@ class _DecodeBodies:
         failure `PullFlow._decode` does it)."""
         if self.prefill is not prefill:
             self._flow.abort_prefill(self._req, prefill)
+
+
+class _Attempt:
+    """`_DecodeBodies.attempt`'s context manager (a class: a generator-based one costs a
+    generator and two frames per leg). A `RouterError` leaving the block is noted, then
+    goes on."""
+
+    __slots__ = ("_bodies",)
+
+    def __init__(self, bodies: _DecodeBodies) -> None:
+        self._bodies = bodies
+
+    def __enter__(self) -> bytes:
+        return self._bodies._started()
+
+    def __exit__(self, typ: type[BaseException] | None, exc: BaseException | None,
+                 tb: object) -> None:
+        if isinstance(exc, RouterError):
+            self._bodies._failed(exc)
 
 
 def _usage_to_apply(prefill: PrefillOutcome | None) -> PrefillUsage | None:

@@ -14,7 +14,12 @@ router's whole process tree from /proc, over the measured run), pdgate's ratio t
 vllm-router in the same case, and for the workers rows pdgate's ratio to its one-core row.
 
     python bench/peers.py [--duration 10] [--connections 32] [--words 5,200,2000]
-                          [--cases rr,cache,workers] [--multi-cpus 0-3] [--json]
+                          [--cases rr,cache,workers] [--multi-cpus 0-3] [--reps 3]
+                          [--base-root DIR] [--json]
+
+The routers of a case run side by side on the same cores and every row measures them in
+turn (`--reps` times, the median reported), so a host whose speed drifts during the run
+shifts them alike; `--base-root` adds another checkout's pdgate to the rr rows.
 
 Needs: nginx (installed with apt-get when missing and running as root; or `--nginx PATH`),
 vllm-router (pip, into a cached venv under .cache/, never the project's .venv; or
@@ -364,7 +369,7 @@ def vllm_router_argv(port: int, p: int, d: int, workers: int, policy: str,
             "--worker-startup-check-interval", "1"]
 
 
-ROUTERS = {"pdgate": pdgate_argv, "vllm-router": vllm_router_argv}
+ROUTERS = {"pdgate": pdgate_argv, "pdgate-base": pdgate_argv, "vllm-router": vllm_router_argv}
 
 
 def prompt_of(words: int) -> str:
@@ -418,30 +423,64 @@ class Row:
     errors: int
 
 
+def _names(args: argparse.Namespace, case: Case) -> list[str]:
+    """The routers of one case, in the order each row measures them: `pdgate-base` (the
+    `--base-root` checkout) joins the one-core round-robin case."""
+    names = args.routers.split(",")
+    if args.base_root and case.name == "rr" and "pdgate" in names:
+        names.insert(names.index("pdgate") + 1, "pdgate-base")
+    return names
+
+
+def _cwd(args: argparse.Namespace, name: str) -> Path:
+    # `python -m` imports from its working directory first: --pdgate-root / --base-root
+    # measure another checkout's pdgate.
+    if name == "pdgate-base":
+        return Path(args.base_root)
+    return Path(args.pdgate_root) if name == "pdgate" and args.pdgate_root else ROOT
+
+
 def measure(args: argparse.Namespace, ports: dict[str, int], logdir: Path,
             tools: Tools) -> list[Row]:
+    """Every row of every case. The routers of a case run side by side (the same cores;
+    only the one under load does work), and each row measures them in turn, `--reps`
+    times: a host whose speed drifts during the run shifts every router alike. A row
+    reports the median req/s run (and the median CPU per request of the reps)."""
     rows: list[Row] = []
     for case in cases(args):
-        for name in args.routers.split(","):
-            # vllm-router has no worker processes: its threads get the same cores.
-            workers = case.workers if name == "pdgate" else 1
-            for fmt in case.formats:
-                port = free_port()
-                argv = ROUTERS[name](port, ports["prefill"], ports[fmt], workers, case.policy,
-                                     args)
-                # `python -m` imports from its working directory first: --pdgate-root
-                # measures another checkout's pdgate.
-                cwd = Path(args.pdgate_root) if name == "pdgate" and args.pdgate_root else ROOT
-                proc = spawn(argv, case.cpus, logdir / f"{name}-{case.name}-{fmt}.log",
-                             cwd=cwd)
-                try:
+        names = _names(args, case)
+        for fmt in case.formats:
+            procs: dict[str, tuple[int, subprocess.Popen[bytes], int]] = {}
+            try:
+                for name in names:
+                    # vllm-router has no worker processes: its threads get the same cores.
+                    workers = case.workers if name.startswith("pdgate") else 1
+                    port = free_port()
+                    argv = ROUTERS[name](port, ports["prefill"], ports[fmt], workers,
+                                         case.policy, args)
+                    proc = spawn(argv, case.cpus, logdir / f"{name}-{case.name}-{fmt}.log",
+                                 cwd=_cwd(args, name))
+                    procs[name] = (port, proc, workers)
                     wait_serving(port, proc, stream=fmt == "sse")
-                    for words in case.words:
-                        rows.append(_row(args, tools, port, proc, name, case, workers,
-                                         words, fmt))
-                finally:
+                for words in case.words:
+                    runs: dict[str, list[Row]] = {name: [] for name in names}
+                    for _ in range(args.reps):
+                        for name, (port, proc, workers) in procs.items():
+                            runs[name].append(_row(args, tools, port, proc, name, case,
+                                                   workers, words, fmt))
+                    rows += [_median(runs[name]) for name in names]
+            finally:
+                for _, proc, _ in procs.values():
                     stop(proc)
     return rows
+
+
+def _median(runs: list[Row]) -> Row:
+    by_rps = sorted(runs, key=lambda r: r.rps)
+    cpus = sorted(r.cpu_us_per_req for r in runs)
+    mid = by_rps[len(runs) // 2]
+    return Row(**{**asdict(mid), "cpu_us_per_req": cpus[len(cpus) // 2],
+                  "errors": sum(r.errors for r in runs)})
 
 
 def _row(args: argparse.Namespace, tools: Tools, port: int, proc: subprocess.Popen[bytes],
@@ -538,6 +577,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tool-libs", help="directory put on LD_LIBRARY_PATH for nginx and wrk")
     p.add_argument("--pdgate-root",
                    help="run pdgate from this checkout (e.g. an older commit's git archive)")
+    p.add_argument("--base-root",
+                   help="also measure the pdgate of this checkout as `pdgate-base` in the "
+                        "rr case, interleaved with the others (before/after in one run)")
+    p.add_argument("--reps", type=int, default=1,
+                   help="runs per row and router, interleaved; the row is their median")
     p.add_argument("--vllm-router",
                    help="command that runs vllm-router (default: the cached venv's)")
     p.add_argument("--json", action="store_true", help="rows as JSON on the last line")

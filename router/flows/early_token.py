@@ -28,6 +28,9 @@ _BLOCKING_KEYS = ("stop", "logprobs", "top_logprobs", "echo", "suffix", "min_tok
                   "min_completion_tokens", "tools", "functions", "response_format",
                   "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                   "structured_outputs", "logit_bias", "prompt_logprobs")
+_BLOCKING_SET = frozenset(_BLOCKING_KEYS)
+# Values of those keys that ask for nothing (compared with ==, as `in` does).
+_UNSET: tuple[object, ...] = (None, False, [], {}, "", 0)
 
 
 def eligible(req: ClientRequest) -> bool:
@@ -35,8 +38,9 @@ def eligible(req: ClientRequest) -> bool:
     body = req.body
     if not req.stream or req.n != 1 or body.get("best_of") not in (None, 1):
         return False
-    if any(body.get(key) not in (None, False, [], {}, "", 0) for key in _BLOCKING_KEYS):
-        return False
+    for key in body.keys() & _BLOCKING_SET:  # mostly none: one set operation in C
+        if body[key] not in _UNSET:
+            return False
     max_tokens = req.max_tokens
     if max_tokens is not None and max_tokens < 2:
         return False  # P's token is the whole answer: nothing to continue

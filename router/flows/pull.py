@@ -85,7 +85,7 @@ class PullFlow:
         try:
             if req.stream and prefill is not None and prefill.first is not None \
                     and prefill.kv_params is not None:
-                return await self._stream_early(req, prefill, prefill.first, t0)
+                return await self.stream_early(req, prefill, prefill.first, t0)
             if req.stream:
                 return await self.open_decode(req, prefill, t0, mode)
             return await self.run_decode(req, prefill, t0, mode)
@@ -169,19 +169,22 @@ class PullFlow:
         bodies.settle(prefill)
         # Billed from P even when the client gets no usage chunk: the router counts it.
         usage = _usage_to_apply(bodies.prefill)
-        chunks = self._relay(stream, usage, t0, mode, req.wants_usage_chunks)
+        # D's SSE bytes as they arrive; only usage chunks are rewritten (line-buffered).
+        rewriter = UsageRewriter(lambda u: rewrite_usage(u, usage)) if usage else None
+        chunks = relay_chunks(stream.chunks(), rewriter, self.parts.metrics, t0, mode,
+                              req.wants_usage_chunks)
         return StreamResult(chunks, stack.close)
 
     async def _open_stream(self, req: ClientRequest, bodies: _DecodeBodies,
                            first: Endpoint | None = None
-                           ) -> tuple[EngineStream, contextlib.ExitStack]:
+                           ) -> tuple[EngineStream, _OpenLeg]:
         """Open D's stream (retrying before any byte; `first`: the engine to try first);
         the stack closes it and D's slot."""
         parts = self.parts
 
-        async def call(ep: Endpoint) -> tuple[EngineStream, contextlib.ExitStack]:
-            stack = contextlib.ExitStack()
-            stack.enter_context(parts.pool.track(ep))
+        async def call(ep: Endpoint) -> tuple[EngineStream, _OpenLeg]:
+            tracked = parts.pool.track(ep)
+            tracked.__enter__()
             try:
                 with bodies.attempt() as body:
                     stream = await parts.engines.open_stream(
@@ -189,27 +192,30 @@ class PullFlow:
                     # vLLM reports a decode it cannot start as 200 + an SSE error event.
                     await stream.check_start(parts.engines.first_byte_timeout_s)
             except BaseException:
-                stack.close()
+                tracked.__exit__(None, None, None)
                 raise
-            stack.callback(stream.close)
-            return stream, stack
+            return stream, _OpenLeg(stream, tracked)
 
         with span("decode_leg_open"):
             return await run_leg(parts, "decode", req, call, reuse=bodies.take_fresh,
                                  stream=True, first=first)
 
-    async def _stream_early(self, req: ClientRequest, prefill: PrefillOutcome,
-                            first: FirstToken, t0: float) -> StreamResult:
-        """A stream that opens with P's token; D continues after it (pull_early). D is
-        chosen before the first byte so the response headers name it (a retry after that
-        byte goes to another D without changing them)."""
+    async def stream_early(self, req: ClientRequest, prefill: PrefillOutcome,
+                           first: FirstToken, t0: float, d_ep: Endpoint | None = None,
+                           mode: str = "disagg") -> StreamResult:
+        """A stream that opens with P's token; D continues after it (pull_early; the push
+        flow's vLLM engines too, `prefill.kv_params` then naming P for D's registration).
+        D (`d_ep`, else chosen here) is known before the first byte so the response
+        headers name it (a retry after that byte goes to another D without changing them)."""
         parts = self.parts
-        d_ep = await choose(parts.pool, "decode", parts.policies["decode"], PickContext.of(req))
+        if d_ep is None:
+            d_ep = await choose(parts.pool, "decode", parts.policies["decode"],
+                                PickContext.of(req))
         req.served_by["decode"] = d_ep.url
         stack = contextlib.ExitStack()
         rewriter = UsageRewriter(lambda u: bill(u, first, prefill.usage))
         chunks = relay_chunks(self._early_chunks(req, prefill, first, d_ep, stack), rewriter,
-                              parts.metrics, t0, "disagg", req.wants_usage_chunks)
+                              parts.metrics, t0, mode, req.wants_usage_chunks)
         return StreamResult(chunks, stack.close)
 
     async def _early_chunks(self, req: ClientRequest, prefill: PrefillOutcome,
@@ -235,13 +241,26 @@ class PullFlow:
             if not settled:
                 self.abort_prefill(req, prefill)
 
-    async def _relay(self, stream: EngineStream, usage: PrefillUsage | None, t0: float,
-                     mode: str, client_wants_usage: bool) -> AsyncGenerator[bytes, None]:
-        """D's SSE bytes as they arrive; only usage chunks are rewritten (line-buffered)."""
-        rewriter = UsageRewriter(lambda u: rewrite_usage(u, usage)) if usage else None
-        async for out in relay_chunks(stream.chunks(), rewriter, self.parts.metrics, t0, mode,
-                                      client_wants_usage):
-            yield out
+
+class _OpenLeg:
+    """An open decode stream and its engine's in-flight slot: `close()` (idempotent)
+    closes the stream, then frees the slot, whatever the stream's close raised."""
+
+    __slots__ = ("_stream", "_tracked")
+
+    def __init__(self, stream: EngineStream,
+                 tracked: contextlib.AbstractContextManager[Endpoint]) -> None:
+        self._stream: EngineStream | None = stream
+        self._tracked = tracked
+
+    def close(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is None:
+            return
+        try:
+            stream.close()
+        finally:
+            self._tracked.__exit__(None, None, None)
 
 
 class _DecodeBodies:

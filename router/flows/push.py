@@ -54,6 +54,8 @@ from pdgate.router.flows.failover import (
     choose_prefill,
     run_or_pull,
 )
+from pdgate.router.flows.pull import PrefillOutcome, PullFlow
+from pdgate.router.flows.pull_early import ASK_TOKEN_IDS, first_token, wants_early
 from pdgate.router.flows.push_identity import (
     Learned,
     PushPeers,
@@ -77,10 +79,12 @@ MODE = "push"
 class PushFlow:
     """Runs disaggregated requests in push mode. Built once per app, in the lifespan."""
 
-    def __init__(self, parts: FlowParts, metrics: FlowMetrics, info: KVInfoCache, *,
-                 early_first_token: bool = True, kv_wait_s: float = 30.0) -> None:
+    def __init__(self, parts: FlowParts, metrics: FlowMetrics, info: KVInfoCache,
+                 pull: PullFlow, *, early_first_token: bool = True,
+                 kv_wait_s: float = 30.0) -> None:
         self.kv_wait_s = kv_wait_s  # D stops waiting for P's push after this (push_deadline)
         self.parts = parts
+        self.pull = pull  # its early-token stream serves vLLM engines' early tokens
         self.metrics = metrics
         self.aborter = parts.aborter
         self.peers = PushPeers(info)
@@ -145,6 +149,8 @@ class PushFlow:
         """One try with a vLLM prefill engine: both legs at once when its identity is
         known, else P first (D's leg then names the identity P answered)."""
         o = self.parts
+        if req.stream and self.early_first_token and wants_early(req):
+            return await self._vllm_early(req, p_ep, d_ep, t0)
         leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, prefill_leg_body(req.body))
         req.served_by["decode"] = d_ep.url
         watch = _Watch(self, req, leg, p_ep, d_ep, vllm=True, sent=identity)
@@ -170,6 +176,28 @@ class PushFlow:
         except RouterError as exc:
             self.peers.forget(p_ep)  # it may be stale: the next request learns it anew
             raise LegFailure("decode", d_ep, exc) from None
+
+    async def _vllm_early(self, req: ClientRequest, p_ep: Endpoint, d_ep: Endpoint,
+                          t0: float) -> StreamResult:
+        """An eligible stream with a vLLM P: P first, asked for its token ids; the client
+        gets P's token at once, and D continues after it (prompt ids plus that token) with
+        P's identity, registering its blocks with P, which holds the prompt's KV for that
+        registration. vLLM's D loads the prompt's KV and computes P's token itself, so the
+        greedy stream is the colocated one. The pull flow's early stream runs the rest (its
+        retries, aborts and billing). P answering without a usable token: D continues the
+        prompt without it, named as P answered."""
+        o = self.parts
+        body = prefill_leg_body({**req.body, ASK_TOKEN_IDS: True})
+        leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, body)
+        watch = _Watch(self, req, leg, p_ep, d_ep, vllm=True)
+        d_params = await watch.answer()  # P's failure: LegFailure (retried on another P)
+        reply = leg.reply()
+        first = first_token(reply) if reply is not None and d_params is not None else None
+        outcome = PrefillOutcome(d_params, leg.usage(), first)
+        req.served_by["decode"] = d_ep.url
+        if first is None:
+            return await self.pull.open_decode(req, outcome, t0, MODE)
+        return await self.pull.stream_early(req, outcome, first, t0, d_ep, MODE)
 
     async def _run_decode(self, req: ClientRequest, d_ep: Endpoint, body: bytes,
                           watch: _Watch, t0: float) -> bytes:

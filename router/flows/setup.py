@@ -30,7 +30,7 @@ async def open_flows(
     if config.pd_mode == "pull":
         return pull, pull
     if config.pd_mode == "push":
-        return pull, PushFlow(parts, metrics, KVInfoCache(parts.engines),
+        return pull, PushFlow(parts, metrics, KVInfoCache(parts.engines), pull,
                               early_first_token=config.early_first_token,
                               kv_wait_s=config.kv_ready_timeout_s)
     proxy = NotifyServer(

@@ -58,6 +58,13 @@ class VllmCluster:
         return "\n".join(p.log_tail() for p in (self.p, self.d, self.ref, self.router))
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The push module first: it starts its own engines (module scope) and stops them at
+    its end, before the session's pull engines exist. Six vLLM engines at once on a
+    2-core machine stall each other past the tests' deadlines."""
+    items.sort(key=lambda item: item.get_closest_marker("vllm_push") is None)
+
+
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
     """The interpreter of the cached vLLM venv (built on first use, ~1.5 min)."""

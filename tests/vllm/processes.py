@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -43,10 +44,27 @@ def push_connector(engine_id: str) -> dict[str, object]:
 
 
 def free_port() -> int:
-    """An OS-assigned free TCP port on 127.0.0.1."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free TCP port on 127.0.0.1 below the kernel's ephemeral range. vLLM binds its
+    ports seconds after they are picked, and its engines open many outgoing connections
+    (ZMQ, UCX) meanwhile: an ephemeral port picked here was once taken by one of those
+    first ("Address already in use" from a side channel)."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 @dataclass
@@ -100,14 +118,15 @@ def _spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path,
     return Proc(name, url, popen, log_path)
 
 
-def vllm_env(core: str, side_channel_port: int | None) -> dict[str, str]:
+def vllm_env(core: str, side_channel_port: int | None, *,
+             pthr_delay: bool = True) -> dict[str, str]:
     """Environment for one vLLM engine pinned to `core` (a VLLM_CPU_OMP_THREADS_BIND
-    value such as "0" or "0-1")."""
+    value such as "0" or "0-1"). `pthr_delay`: slow NIXL's progress thread down (see
+    `NIXL_PTHR_DELAY_US`), else renice its busy progress thread."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
     env.update({
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": core,
-        "PDGATE_NIXL_PTHR_DELAY_US": NIXL_PTHR_DELAY_US,
         "UCX_NET_DEVICES": "lo",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "HF_HUB_OFFLINE": "1",
@@ -117,6 +136,11 @@ def vllm_env(core: str, side_channel_port: int | None) -> dict[str, str]:
     })
     if side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
+    if pthr_delay:
+        env["PDGATE_NIXL_PTHR_DELAY_US"] = NIXL_PTHR_DELAY_US
+    else:  # nixl's busy progress thread, at the lowest priority (nixl_delay_site.py)
+        env.pop("PDGATE_NIXL_PTHR_DELAY_US", None)
+        env["PDGATE_NIXL_PTHR_NICE"] = "19"
     return env
 
 
@@ -146,7 +170,12 @@ def start_vllm(python: Path, model_dir: Path, name: str, log_dir: Path, *, core:
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events}
         argv += ["--kv-events-config", json.dumps(config)]
     argv += extra_args or []
-    proc = _spawn(name, argv, vllm_env(core, side), log_dir, f"http://127.0.0.1:{port}")
+    # NixlPushConnector engines keep nixl's own busy progress thread, reniced: with the
+    # delay, a push engine's worker stopped answering its engine core after its first
+    # NIXL handshake (vllm-cpu 0.32, nixl 1.5.1; nixl_delay_site.py).
+    push = (kv_config or {}).get("kv_connector") == "NixlPushConnector"
+    env = vllm_env(core, side, pthr_delay=not push)
+    proc = _spawn(name, argv, env, log_dir, f"http://127.0.0.1:{port}")
     if side is not None:
         proc.extra["side_channel_port"] = side
     proc.kv_events = events

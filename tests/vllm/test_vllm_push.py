@@ -170,6 +170,34 @@ def test_chat_and_streaming_equal_colocated(push: Push, router_1p: Proc) -> None
     assert streamed_text == complete(push.pb.url, prompt, 12).choices[0].text
 
 
+def test_a_stream_opens_with_the_prefill_token_and_equals_colocated(
+    push: Push, router_1p: Proc,
+) -> None:
+    """Push mode's early first token: P's reply (asked for `return_token_ids`) opens the
+    stream; D continues from the prompt ids plus P's token, registering its blocks with P,
+    which pushes the prompt's KV. The stream is the colocated text, and D computed at most
+    P's token itself."""
+    early = ("pdgate_early_first_tokens_total", 'result="kv"')
+    before = metric(router_1p.url, *early)
+    external0, local0 = kv_sources(push.d.url)
+    prompt = unique_prompt(60)  # D's prefix cache cannot serve it
+    stream = client(router_1p.url).completions.create(
+        model=SERVED_NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=IGNORE_EOS)
+    chunks = list(stream)
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    colocated = complete(push.pb.url, prompt, 12)
+    assert streamed == colocated.choices[0].text
+    assert metric(router_1p.url, *early) == before + 1, _logs(push)
+    assert colocated.usage is not None
+    external1, local1 = kv_sources(push.d.url)
+    assert external1 - external0 >= colocated.usage.prompt_tokens, _logs(push)
+    assert local1 - local0 <= 1
+    usage = chunks[-1].usage
+    assert usage is not None
+    assert (usage.prompt_tokens, usage.completion_tokens) == (colocated.usage.prompt_tokens, 12)
+
+
 async def test_concurrent_requests_all_pushed(push: Push, router_1p: Proc) -> None:
     prompts = [unique_prompt(10 + 6 * i) for i in range(6)]
     external0, local0 = kv_sources(push.d.url)
@@ -209,7 +237,8 @@ def _restart_new_id(dead: Proc) -> Proc:
     argv = [str(a) for a in cast("list[str]", dead.popen.args)]
     at = argv.index("--kv-transfer-config") + 1
     argv[at] = json.dumps(_push_config(dead.name.split("-")[0]))
-    env = vllm_env(CORES[dead.name.split("-")[0]], dead.extra["side_channel_port"])
+    env = vllm_env(CORES[dead.name.split("-")[0]], dead.extra["side_channel_port"],
+                   pthr_delay=False)
     proc = _spawn(f"{dead.name}-restarted", argv, env, PUSH_LOGS, dead.url)
     proc.extra = dict(dead.extra)
     return proc

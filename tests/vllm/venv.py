@@ -10,7 +10,6 @@ Run `python -m tests.vllm.venv` to build it ahead of a test run (prints the inte
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import os
 import shutil
 import subprocess
@@ -35,8 +34,7 @@ def venv_dir() -> Path:
 
 
 def _stamp_text() -> str:
-    hook = hashlib.sha256(_HOOK_SRC.read_bytes()).hexdigest()[:16]
-    return "\n".join([sys.version.split()[0], TORCH, *PACKAGES, f"hook {hook}"]) + "\n"
+    return "\n".join([sys.version.split()[0], TORCH, *PACKAGES]) + "\n"
 
 
 def _site_packages(python: Path) -> Path:
@@ -51,8 +49,12 @@ def _pip(python: Path, *args: str) -> None:
 
 
 def _install_hook(python: Path) -> None:
+    """Copy the hook in (again when it changed: no venv rebuild for that)."""
     site = _site_packages(python)
-    shutil.copyfile(_HOOK_SRC, site / f"{_HOOK_MODULE}.py")
+    installed = site / f"{_HOOK_MODULE}.py"
+    if installed.exists() and installed.read_bytes() == _HOOK_SRC.read_bytes():
+        return
+    shutil.copyfile(_HOOK_SRC, installed)
     # A .pth line starting with "import" runs at every interpreter start, including the
     # EngineCore and worker processes vLLM spawns.
     (site / f"{_HOOK_MODULE}.pth").write_text(f"import {_HOOK_MODULE}\n")
@@ -68,6 +70,7 @@ def ensure_vllm_venv(path: Path | None = None) -> Path:
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if stamp.exists() and stamp.read_text() == _stamp_text() and python.exists():
+            _install_hook(python)
             return python
         shutil.rmtree(path, ignore_errors=True)
         # From inside the project's venv this still builds on the base interpreter.

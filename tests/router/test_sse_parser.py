@@ -143,3 +143,14 @@ def test_usage_rewriter_any_chunking_after_the_checker() -> None:
         out += rewriter.feed(checker.end()) + rewriter.flush()
         assert b'"prompt_tokens":5' in out and b'"prompt_tokens":9' not in out
         assert out.replace(b'"prompt_tokens":5', b'"prompt_tokens":9') == GOOD
+
+
+def test_a_read_of_whole_events_is_checked_at_once() -> None:
+    # How a decode engine that is ahead of the relay sends: many events in one read.
+    events = b'data: {"choices":[{"text":"a"}]}\n\n' * 16
+    checker = EventChecker(1 << 20)
+    assert checker.feed(events) is events
+    assert checker.feed(events + b"data: [DONE]\n\n") == events + b"data: [DONE]\n\n"
+    assert checker.done
+    with pytest.raises(SSEProtocolError, match="data after"):
+        checker.feed(events)

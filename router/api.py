@@ -22,18 +22,11 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
 
 from pdgate.router import request_context
 from pdgate.router.admission import Admission
-from pdgate.router.client_deadlines import (
-    CONNECTION_LOST,
-    SlowReader,
-    WriteDeadlineSend,
-    header_value,
-    read_body_within,
-)
+from pdgate.router.client_deadlines import header_value, read_body_within
 from pdgate.router.config import RouterConfig
 from pdgate.router.errors import (
     InvalidRequest,
@@ -46,6 +39,7 @@ from pdgate.router.limits import InputLimits
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.orchestrator import Orchestrator, StreamResult
 from pdgate.router.pool import EndpointPool
+from pdgate.router.relay_response import DisconnectWatch, RelayResponse
 from pdgate.router.request_ids import InternalIds, client_request_id
 from pdgate.router.schema import ClientRequest, classify_prompt, parse_chat, parse_completion
 from pdgate.router.tracing import span
@@ -123,7 +117,7 @@ async def until_disconnected(
 
     `work` runs in the caller's task (one watcher task per request, no task per leg
     set and no `asyncio.wait`): the watcher cancels the caller when the client leaves."""
-    watch = _DisconnectWatch(request.scope, request.receive)
+    watch = DisconnectWatch(request.scope, request.receive)
     try:
         result = await work
     except asyncio.CancelledError:
@@ -140,97 +134,6 @@ async def until_disconnected(
             result.close()
         raise ClientGone
     return result
-
-
-class _DisconnectWatch:
-    """Cancels the task that made it once the client disconnects (`fired` is then True).
-    `stop()` it when the guarded await is over; the caller `uncancel()`s after catching the
-    cancellation it caused. Behind the router's own server protocol a callback on the
-    connection's `CONNECTION_LOST` future does it; elsewhere a task waiting on `receive()`
-    for `http.disconnect`."""
-
-    __slots__ = ("_target", "_task", "_lost", "fired")
-
-    def __init__(self, scope: Scope, receive: Receive) -> None:
-        target = asyncio.current_task()
-        assert target is not None
-        self._target = target
-        self.fired = False
-        self._task: asyncio.Future[None] | None = None
-        self._lost: asyncio.Future[None] | None = (
-            scope.get("extensions") or {}).get(CONNECTION_LOST, {}).get("future")
-        if self._lost is not None:
-            self._lost.add_done_callback(self._on_lost)
-        else:
-            self._task = asyncio.ensure_future(self._run(receive))
-
-    async def _run(self, receive: Receive) -> None:
-        await _wait_disconnect(receive)
-        self._fire()
-
-    def _on_lost(self, _lost: asyncio.Future[None]) -> None:
-        self._fire()
-
-    def _fire(self) -> None:
-        self.fired = True
-        self._target.cancel()
-
-    def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-        elif self._lost is not None:
-            self._lost.remove_done_callback(self._on_lost)
-
-    def uncancel(self) -> None:
-        self._target.uncancel()
-
-
-async def _wait_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-class RelayResponse(StreamingResponse):
-    """A StreamingResponse that always releases the upstream stream, however it ends
-    (finished, client gone, cancelled, or never started)."""
-
-    def __init__(self, result: StreamResult, headers: dict[str, str],
-                 on_done: Callable[[], None], write_timeout_s: float = 30.0) -> None:
-        super().__init__(result.chunks, 200, headers, "text/event-stream")
-        self._write_timeout_s = write_timeout_s
-        self._result = result
-        self._on_done = on_done
-        self._on_close: list[Callable[[], None]] = []
-
-    def on_close(self, callback: Callable[[], None]) -> None:
-        """Call `callback` once the stream is over, however it ended."""
-        self._on_close.append(callback)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # Starlette's own __call__ (ASGI < 2.4, as uvicorn speaks) runs the relay and a
-        # disconnect listener in an anyio task group per stream; one watcher task that
-        # cancels this one does the same job for less.
-        watch = _DisconnectWatch(scope, receive)
-        deadline_send = WriteDeadlineSend(send, self._write_timeout_s)
-        try:
-            await self.stream_response(deadline_send)
-        except asyncio.CancelledError:
-            if not watch.fired:
-                raise
-            watch.uncancel()  # the client left: the stream just ends
-        except SlowReader as exc:
-            # Returning with the response unfinished makes the server close the connection.
-            log.warning("stream cut: %s", exc)
-        finally:
-            watch.stop()
-            deadline_send.close()
-            try:
-                await self._result.chunks.aclose()
-            finally:
-                self._result.close()
-                self._on_done()
-                for callback in self._on_close:
-                    callback()
 
 
 def build_request(

@@ -235,11 +235,9 @@ async def relay_chunks(chunks: AsyncIterator[bytes], rewriter: UsageRewriter | N
                 metrics.observe_ttft(mode, t0, now)
                 _record_first_token(t0, now)
             last = now
-            out = rewriter.feed(chunk) if rewriter else chunk
-            if out:
-                usage.feed(out)
-                if not client_wants_usage:
-                    out = strip_usage_events(out)
+            out = rewriter.lines(chunk) if rewriter else chunk
+            if b'"usage"' in out:  # one search of each piece (it costs ~1 ns a byte)
+                out = _usage_chunks(out, rewriter, usage, client_wants_usage)
             if out:
                 sent = out
                 yield out
@@ -254,6 +252,16 @@ async def relay_chunks(chunks: AsyncIterator[bytes], rewriter: UsageRewriter | N
     finally:
         usage.observe(metrics)
         record_span("decode_stream", start_ns, time.time_ns(), **{"pdgate.mode": mode})
+
+
+def _usage_chunks(lines: bytes, rewriter: UsageRewriter | None, usage: StreamUsage,
+                  client_wants_usage: bool) -> bytes:
+    """Whole lines that mention usage: rewritten, counted, and cut out when the client did
+    not ask for the usage chunk."""
+    if rewriter is not None:
+        lines = rewriter.rewrite(lines)
+    usage.feed(lines)
+    return lines if client_wants_usage else strip_usage_events(lines)
 
 
 def _record_first_token(t0: float, now: float) -> None:

@@ -63,7 +63,6 @@ _TRACE_HEADERS: tuple[tuple[str, bytes, Callable[[str], bool]], ...] = (
     ("tracestate", b"tracestate", _valid_tracestate),
 )
 _INLINE_PARSE_BYTES = 256 * 1024
-_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass(frozen=True)
@@ -235,7 +234,7 @@ def _completion_handler(
         st.metrics.child(st.metrics.requests, route, "200").inc()
         duration = st.metrics.child(st.metrics.request_duration, route)
         done = lambda: duration.observe(time.perf_counter() - t0)  # noqa: E731
-        return RelayResponse(result, {**headers, **_SSE_HEADERS}, done,
+        return RelayResponse(result, headers, done,
                              st.config.stream_write_timeout_s)
 
     return handler

@@ -28,7 +28,9 @@ from pdgate.router.flows.base import StreamResult
 __all__ = ["DisconnectWatch", "RelayResponse"]
 
 log = logging.getLogger(__name__)
-_SSE_TYPE = (b"content-type", b"text/event-stream; charset=utf-8")
+# Encoded once: no cache may keep a stream, and nginx must not buffer it.
+_SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+                (b"content-type", b"text/event-stream; charset=utf-8")]
 
 
 class DisconnectWatch:
@@ -76,9 +78,9 @@ class DisconnectWatch:
 
 class RelayResponse(Response):
     """An SSE response relaying `result`'s chunks (status 200, `headers` plus the SSE
-    content type); the upstream stream is always released, however the relay ends
-    (finished, client gone, cancelled, or never started). `on_done` and every `on_close`
-    callback run then.
+    content type and no-cache, no-buffering headers); the upstream stream is always
+    released, however the relay ends (finished, client gone, cancelled, or never started).
+    `on_done` and every `on_close` callback run then.
 
     Not Starlette's `StreamingResponse`: its __call__ (ASGI < 2.4, as uvicorn speaks) runs
     the relay and a disconnect listener in an anyio task group per stream, and every chunk
@@ -91,7 +93,7 @@ class RelayResponse(Response):
         self.background = None
         self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
                             for k, v in headers.items()]
-        self.raw_headers.append(_SSE_TYPE)
+        self.raw_headers += _SSE_HEADERS
         self._write_timeout_s = write_timeout_s
         self._result = result
         self._on_done = on_done

@@ -40,7 +40,8 @@ async def test_chunks_go_out_as_asgi_messages_and_everything_is_released() -> No
 
     await response({"type": "http", "extensions": {}}, lambda: _never(forever), send)
     assert sent[0] == {"type": "http.response.start", "status": 200, "headers": [
-        (b"x-request-id", b"r1"), (b"content-type", b"text/event-stream; charset=utf-8")]}
+        (b"x-request-id", b"r1"), (b"cache-control", b"no-cache"),
+        (b"x-accel-buffering", b"no"), (b"content-type", b"text/event-stream; charset=utf-8")]}
     assert [m["body"] for m in sent[1:]] == [b'data: {"a":1}\n\n', b"data: [DONE]\n\n", b""]
     assert [m["more_body"] for m in sent[1:]] == [True, True, False]
     assert closed == ["chunks", "upstream", "done", "slot"]

@@ -69,9 +69,9 @@ test: deb-deps lint typecheck pytest
 # .cache/vllm-venv on first use (~1.5 min; PDGATE_VLLM_VENV moves it), then runs tests/vllm.
 test-vllm: $(STAMP)
 	$(PY) -m tests.vllm.venv
-	$(PY) -m pytest -q -m 'vllm and not vllm_push and not vllm_tp' tests/vllm $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m 'vllm and not vllm_push_2p1d and not vllm_tp' tests/vllm $(PYTEST_ARGS)
 
-# vLLM's NixlPushConnector engines behind `--pd-mode push` (not in CI yet: docs/vllm.md).
+# Every push-mode test, 2P1D too (not in CI yet: docs/vllm.md).
 test-vllm-push: $(STAMP)
 	$(PY) -m tests.vllm.venv
 	$(PY) -m pytest -q -m vllm_push tests/vllm $(PYTEST_ARGS)

@@ -122,11 +122,21 @@ def vllm_env(core: str, side_channel_port: int | None, *,
              pthr_delay: bool = True) -> dict[str, str]:
     """Environment for one vLLM engine pinned to `core` (a VLLM_CPU_OMP_THREADS_BIND
     value such as "0" or "0-1"). `pthr_delay`: slow NIXL's progress thread down (see
-    `NIXL_PTHR_DELAY_US`), else renice its busy progress thread."""
+    `NIXL_PTHR_DELAY_US`), else keep nixl's busy progress thread as it is.
+
+    Not reniced: at nice 19 a push engine's worker stalled for minutes, even on colocated
+    requests (`No available shared memory broadcast block found in 60 seconds`): each step
+    calls into the agent, which the low-priority progress thread held while the engines'
+    nice-0 threads (vLLM's workers spin on `sched_yield` between steps) kept it off the
+    core. The hook's nice mode (`PDGATE_NIXL_PTHR_NICE`) stays for a machine with cores
+    to spare."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
     env.update({
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": core,
+        # vLLM's NIXL worker would move the engine's main thread to the last core
+        # (nixl_delay_site.py); keep it and its NIXL threads on the engine's own cores.
+        "PDGATE_NIXL_CORES": core,
         "UCX_NET_DEVICES": "lo",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "HF_HUB_OFFLINE": "1",
@@ -138,9 +148,8 @@ def vllm_env(core: str, side_channel_port: int | None, *,
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
     if pthr_delay:
         env["PDGATE_NIXL_PTHR_DELAY_US"] = NIXL_PTHR_DELAY_US
-    else:  # nixl's busy progress thread, at the lowest priority (nixl_delay_site.py)
+    else:
         env.pop("PDGATE_NIXL_PTHR_DELAY_US", None)
-        env["PDGATE_NIXL_PTHR_NICE"] = "19"
     return env
 
 
@@ -170,9 +179,9 @@ def start_vllm(python: Path, model_dir: Path, name: str, log_dir: Path, *, core:
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events}
         argv += ["--kv-events-config", json.dumps(config)]
     argv += extra_args or []
-    # NixlPushConnector engines keep nixl's own busy progress thread, reniced: with the
-    # delay, a push engine's worker stopped answering its engine core after its first
-    # NIXL handshake (vllm-cpu 0.32, nixl 1.5.1; nixl_delay_site.py).
+    # NixlPushConnector engines keep nixl's own busy progress thread: with the delay, a
+    # push engine's worker stopped answering its engine core after its first NIXL
+    # handshake (vllm-cpu 0.32, nixl 1.5.1; nixl_delay_site.py).
     push = (kv_config or {}).get("kv_connector") == "NixlPushConnector"
     env = vllm_env(core, side, pthr_delay=not push)
     proc = _spawn(name, argv, env, log_dir, f"http://127.0.0.1:{port}")

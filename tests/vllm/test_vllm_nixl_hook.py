@@ -1,8 +1,7 @@
-"""The vLLM venv's NIXL hook (tests/vllm/nixl_delay_site.py) does what the engines rely on:
-with `PDGATE_NIXL_PTHR_NICE` the threads a NIXL agent starts (its busy progress thread and
-UCX's) run at that nice value, so they yield the core to the engine's compute; with
-`PDGATE_NIXL_PTHR_DELAY_US` the idle progress thread stops spinning. Push-mode engines
-stalled when the renice missed the progress thread (it starts with the UCX backend)."""
+"""The vLLM venv's hook (tests/vllm/nixl_delay_site.py) does what the test engines rely on:
+with `PDGATE_NIXL_PTHR_DELAY_US` an idle agent's progress thread stops spinning, so three
+engines fit two cores (without it, for push-mode engines, the thread spins as nixl made it);
+with `PDGATE_NIXL_CORES` the core vLLM's NIXL worker reserves is the engine's own."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from tests.vllm.processes import NIXL_PTHR_DELAY_US
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(120)]
 
 # Starts one agent with the UCX backend, idles a second, then reports every thread the
-# agent added: its nice value and the CPU seconds it used while idle.
+# agent added and the CPU seconds it used while idle.
 PROBE = """
 import json, os, time
 from nixl._api import nixl_agent, nixl_agent_config
@@ -30,8 +29,7 @@ def cpu(tid):
 new = sorted(set(os.listdir("/proc/self/task")) - before)
 start = {t: cpu(t) for t in new}
 time.sleep(1.0)
-print(json.dumps([{"nice": os.getpriority(os.PRIO_PROCESS, int(t)),
-                   "idle_cpu_s": cpu(t) - start[t]} for t in new]))
+print(json.dumps([{"idle_cpu_s": cpu(t) - start[t]} for t in new]))
 """
 
 
@@ -44,14 +42,33 @@ def agent_threads(python: Path, env: dict[str, str]) -> list[dict[str, float]]:
     return threads
 
 
-def test_nice_mode_renices_every_thread_the_agent_starts(vllm_python: Path) -> None:
-    threads = agent_threads(vllm_python, {"PDGATE_NIXL_PTHR_NICE": "19"})
-    assert [t["nice"] for t in threads] == [19] * len(threads)
-    # The busy progress thread is among them: it spins even while the agent is idle.
-    assert max(t["idle_cpu_s"] for t in threads) > 0.05
+def test_the_delay_keeps_an_idle_agent_off_the_cpu(vllm_python: Path) -> None:
+    delayed = agent_threads(vllm_python, {"PDGATE_NIXL_PTHR_DELAY_US": NIXL_PTHR_DELAY_US})
+    busy = agent_threads(vllm_python, {})
+    assert sum(t["idle_cpu_s"] for t in delayed) < 0.3
+    # Without the variable the hook stays out: nixl's progress thread spins while idle.
+    assert sum(t["idle_cpu_s"] for t in busy) > 0.3
 
 
-def test_delay_mode_keeps_an_idle_agent_off_the_cpu(vllm_python: Path) -> None:
-    threads = agent_threads(vllm_python, {"PDGATE_NIXL_PTHR_DELAY_US": NIXL_PTHR_DELAY_US})
-    assert sum(t["idle_cpu_s"] for t in threads) < 0.5
-    assert {t["nice"] for t in threads} == {0}
+# What vLLM's NIXL worker does on CPU (moves its thread to the last core), called from a
+# module of its name, then from another module.
+AFFINITY_PROBE = """
+import json, os
+reserve = "os.sched_setaffinity(0, {os.cpu_count() - 1})"
+vllm_module = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
+exec(reserve, {"os": os, "__name__": vllm_module})
+pinned = sorted(os.sched_getaffinity(0))
+exec(reserve, {"os": os, "__name__": "elsewhere"})
+print(json.dumps([pinned, sorted(os.sched_getaffinity(0))]))
+"""
+
+
+def test_the_kv_transfer_core_vllm_reserves_is_the_engines_own(vllm_python: Path) -> None:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PDGATE_NIXL")}
+    done = subprocess.run([str(vllm_python), "-c", AFFINITY_PROBE],
+                          env={**base, "PDGATE_NIXL_CORES": "0"}, capture_output=True,
+                          text=True, timeout=60, check=True)
+    pinned, elsewhere = json.loads(done.stdout.strip().splitlines()[-1])
+    last = (os.cpu_count() or 1) - 1
+    assert pinned == [0]
+    assert elsewhere == [last]  # other callers keep their mask

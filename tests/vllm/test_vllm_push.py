@@ -1,11 +1,12 @@
 """pdgate's router in push mode (`--pd-mode push`) in front of REAL vLLM engines started
 with `NixlPushConnector`: both legs at once, D registers its blocks with P, P WRITEs.
 
-This module starts its own push-mode engines (prefill engines PA and PB on core 0, decode
-engine D on core 1) and stops them at its end. PB also serves as the colocated reference
-(a request without `kv_transfer_params` is an ordinary one). The router learns each
-prefill engine's NIXL identity from its first answer; the last test kills PB under load
-and restarts it on the same ports under a new engine id, which the router learns again.
+This module starts its own push-mode engines (prefill engine PA on core 0, decode engine D
+on core 1) and stops them at its end. PA also serves as the colocated reference (a request
+without `kv_transfer_params` is an ordinary one). The router learns each prefill engine's
+NIXL identity from its first answer. The 2P1D tests (marker `vllm_push_2p1d`) start a second
+prefill engine PB beside PA; the last kills PB under load and restarts it on the same ports
+under a new engine id, which the router learns again.
 """
 
 from __future__ import annotations
@@ -44,19 +45,21 @@ from tests.vllm.test_vllm_pd import (
 )
 from tests.vllm.test_vllm_zfault import _load_with_kill, _recovered, _routed
 
-# Its own make target, not `make test-vllm` (CI): on the 2-core CI-sized machine this module
-# adds ~8 minutes (five more vLLM engines) and failed under load (prefill workers stalled
-# past the leg deadlines); see docs/vllm.md.
+# The single-prefill tests run in `make test-vllm` (CI); the 2P1D ones only in `make
+# test-vllm-push`: a third push engine on a 2-core machine stalled them (docs/vllm.md).
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_push, pytest.mark.timeout(900)]
+TWO_PREFILL = pytest.mark.vllm_push_2p1d
 
 PUSH_LOGS = LOG_DIR / "push"
-# Two engines per core at most: PA alone on core 0 (three vLLM engines sharing one core,
-# with other load on the machine, stalled a worker for over a minute).
-CORES = {"PA": "0", "PB": "1", "D": "1"}
+# One engine per core while only PA and D run: a push engine keeps nixl's busy progress
+# thread (tests/vllm/processes.py:vllm_env), and engines sharing a core stalled each other.
+CORES = {"PA": "0", "D": "1", "PB": "0"}
 MAX_TOKENS = 12  # as test_vllm_zfault's helpers generate
 ROUTER_ARGS = [
     "--pd-mode", "push", "--prefill-policy", "round-robin",
-    "--health-interval-s", "1", "--health-timeout-s", "1",
+    # 5 s: a busy 2-core machine kept D's /health past 1 s, and the router then had no
+    # decode engine (503) while D was fine.
+    "--health-interval-s", "1", "--health-timeout-s", "5",
     "--prefill-timeout-s", "60", "--decode-first-byte-timeout-s", "120",
     "--kv-ready-timeout-s", "30",
     "--max-retries", "1", "--eject-consecutive-errors", "3", "--breaker-open-s", "2",
@@ -67,11 +70,12 @@ ROUTER_ARGS = [
 class Push:
     """This module's engines and routers."""
 
+    python: Path
     model_dir: Path
-    pa: Proc
-    pb: Proc  # also the colocated reference
+    pa: Proc  # also the colocated reference
     d: Proc
     procs: list[Proc]  # every process started (restarts too), stopped at the module's end
+    pb: Proc | None = None  # the second prefill engine, started by the 2P1D tests
 
     def router(self, name: str, prefill: list[Proc]) -> Proc:
         proc = start_router(self.model_dir, [p.url for p in prefill], [self.d.url],
@@ -87,14 +91,17 @@ def _push_config(name: str) -> dict[str, object]:
     return push_connector(f"{name}-{uuid.uuid4().hex[:8]}")
 
 
+def _start_push_engine(python: Path, model_dir: Path, name: str) -> Proc:
+    return start_vllm(python, model_dir, name, PUSH_LOGS, core=CORES[name],
+                      kv_config=_push_config(name))
+
+
 @pytest.fixture(scope="module")
 def push(vllm_python: Path, vllm_model_dir: Path) -> Iterator[Push]:
-    procs = [start_vllm(vllm_python, vllm_model_dir, name, PUSH_LOGS, core=core,
-                        kv_config=_push_config(name))
-             for name, core in CORES.items()]
+    procs = [_start_push_engine(vllm_python, vllm_model_dir, name) for name in ("PA", "D")]
     try:
         wait_ready(procs, "/health", ENGINE_START_TIMEOUT_S)
-        yield Push(vllm_model_dir, procs[0], procs[1], procs[2], procs)
+        yield Push(vllm_python, vllm_model_dir, procs[0], procs[1], procs)
     finally:
         for proc in reversed(procs):  # routers first; one slow stop must not skip the rest
             try:
@@ -126,7 +133,7 @@ def test_completion_kv_pushed_not_recomputed(push: Push, router_1p: Proc) -> Non
         external1, local1 = kv_sources(push.d.url)
         assert raw.headers["x-pdgate-prefill-engine"] == push.pa.url
         assert raw.headers["x-pdgate-decode-engine"] == push.d.url
-        colocated = complete(push.pb.url, prompt, 16)
+        colocated = complete(push.pa.url, prompt, 16)
         assert done.choices[0].text == colocated.choices[0].text
         assert done.usage is not None and colocated.usage is not None
         assert done.usage.prompt_tokens == colocated.usage.prompt_tokens
@@ -147,7 +154,7 @@ def test_chat_and_streaming_equal_colocated(push: Push, router_1p: Proc) -> None
     and each stream's prompt arrived over NIXL."""
     content = f"{uuid.uuid4().hex} Tell me a story about a cat."
     via_router = _chat(router_1p.url, content)
-    colocated = _chat(push.pb.url, content)
+    colocated = _chat(push.pa.url, content)
     assert via_router.choices[0].message.content == colocated.choices[0].message.content
 
     content = f"{uuid.uuid4().hex} Tell me a story about a dog."
@@ -155,7 +162,7 @@ def test_chat_and_streaming_equal_colocated(push: Push, router_1p: Proc) -> None
     chunks = list(_chat(router_1p.url, content, stream=True,
                         stream_options={"include_usage": True}))
     external1, local1 = kv_sources(push.d.url)
-    colocated = _chat(push.pb.url, content)
+    colocated = _chat(push.pa.url, content)
     streamed = "".join(x.choices[0].delta.content or "" for x in chunks if x.choices)
     assert streamed == colocated.choices[0].message.content
     usage = chunks[-1].usage
@@ -168,7 +175,7 @@ def test_chat_and_streaming_equal_colocated(push: Push, router_1p: Proc) -> None
     streamed_text = "".join(x.choices[0].text for x in client(router_1p.url).completions.create(
         model=SERVED_NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
         extra_body=IGNORE_EOS) if x.choices)
-    assert streamed_text == complete(push.pb.url, prompt, 12).choices[0].text
+    assert streamed_text == complete(push.pa.url, prompt, 12).choices[0].text
 
 
 def test_a_stream_opens_with_the_prefill_token_and_equals_colocated(
@@ -181,13 +188,13 @@ def test_a_stream_opens_with_the_prefill_token_and_equals_colocated(
     early = ("pdgate_early_first_tokens_total", 'result="kv"')
     before = metric(router_1p.url, *early)
     external0, local0 = kv_sources(push.d.url)
-    prompt = early_prompt(push.pb.url, 60)  # D's prefix cache cannot serve it
+    prompt = early_prompt(push.pa.url, 60)  # D's prefix cache cannot serve it
     stream = client(router_1p.url).completions.create(
         model=SERVED_NAME, prompt=prompt, max_tokens=12, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body=IGNORE_EOS)
     chunks = list(stream)
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
-    colocated = complete(push.pb.url, prompt, 12)
+    colocated = complete(push.pa.url, prompt, 12)
     assert streamed == colocated.choices[0].text
     assert metric(router_1p.url, *early) == before + 1, _logs(push)
     assert colocated.usage is not None
@@ -204,18 +211,28 @@ async def test_concurrent_requests_all_pushed(push: Push, router_1p: Proc) -> No
     external0, local0 = kv_sources(push.d.url)
     via_router = await asyncio.gather(*(acomplete(router_1p.url, p, 8) for p in prompts))
     external1, local1 = kv_sources(push.d.url)
-    colocated = [await acomplete(push.pb.url, p, 8) for p in prompts]
+    colocated = [await acomplete(push.pa.url, p, 8) for p in prompts]
     assert [r.choices[0].text for r in via_router] == [x.choices[0].text for x in colocated]
     assert external1 - external0 == sum(x.usage.prompt_tokens for x in colocated if x.usage)
     assert local1 == local0
 
 
 @pytest.fixture(scope="module")
-def router_2p(push: Push) -> Proc:
-    return push.router("router-push-2p", [push.pa, push.pb])
+def pb(push: Push) -> Proc:
+    """The second prefill engine (stopped with the module's other processes)."""
+    push.pb = _start_push_engine(push.python, push.model_dir, "PB")
+    push.procs.append(push.pb)
+    wait_ready([push.pb], "/health", ENGINE_START_TIMEOUT_S)
+    return push.pb
 
 
-def test_two_prefill_engines_both_push(push: Push, router_2p: Proc) -> None:
+@pytest.fixture(scope="module")
+def router_2p(push: Push, pb: Proc) -> Proc:
+    return push.router("router-push-2p", [push.pa, pb])
+
+
+@TWO_PREFILL
+def test_two_prefill_engines_both_push(push: Push, pb: Proc, router_2p: Proc) -> None:
     """2P1D, round-robin: each prefill engine's identity is learnt on its first request
     and D gets every prompt's KV from whichever engine prefilled it."""
     external0, local0 = kv_sources(push.d.url)
@@ -228,7 +245,7 @@ def test_two_prefill_engines_both_push(push: Push, router_2p: Proc) -> None:
         prompt_tokens += done.usage.prompt_tokens
         assert done.choices[0].text == complete(push.pa.url, prompt, MAX_TOKENS).choices[0].text
     external1, local1 = kv_sources(push.d.url)
-    assert served == [push.pa.url, push.pb.url, push.pa.url, push.pb.url]
+    assert served == [push.pa.url, pb.url, push.pa.url, pb.url]
     assert external1 - external0 == prompt_tokens, _logs(push)
     assert local1 == local0
 
@@ -245,22 +262,24 @@ def _restart_new_id(dead: Proc) -> Proc:
     return proc
 
 
-async def test_prefill_engine_killed_and_restarted(push: Push, router_2p: Proc) -> None:
+@TWO_PREFILL
+async def test_prefill_engine_killed_and_restarted(push: Push, pb: Proc,
+                                                   router_2p: Proc) -> None:
     """kill -9 PB while 12 requests run 4 at a time: every request returns the colocated
     text (legs cut off by the kill are retried on PA). PB restarted on the same ports under
     a new engine id: the router's cached identity is stale, D's leg naming it fails, P's
     answer names the new one and D's leg is sent again; D then gets KV from PB again."""
     before = _recovered(router_2p.url)
     prompts = [unique_prompt(20 + 8 * (i % 4)) for i in range(12)]
-    results = await _load_with_kill(router_2p.url, prompts, push.pb, kill_after=3)
+    results = await _load_with_kill(router_2p.url, prompts, pb, kill_after=3)
     colocated = [await acomplete(push.pa.url, p, MAX_TOKENS) for p in prompts]
     assert [r.choices[0].text for _, r in results] == [x.choices[0].text for x in colocated]
     assert _recovered(router_2p.url) > before, _logs(push)
 
-    dead = push.pb
-    push.pb = _restart_new_id(dead)
-    push.procs.append(push.pb)
-    wait_ready([push.pb], "/health", ENGINE_START_TIMEOUT_S)
+    dead = pb
+    restarted = _restart_new_id(dead)
+    push.procs.append(restarted)
+    wait_ready([restarted], "/health", ENGINE_START_TIMEOUT_S)
     external0, local0 = kv_sources(push.d.url)
     served: list[str] = []
     prompt_tokens = 0

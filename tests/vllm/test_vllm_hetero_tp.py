@@ -7,9 +7,10 @@ untouched. One TP 2 engine (two workers, bound to cores 0 and 1) serves as P for
 session's TP 1 decode engine, then as D behind the session's TP 1 prefill engine. Push mode
 is not covered here (docs/vllm.md).
 
-Run by `make test-vllm` (CI). The TP 2 engine keeps nixl's busy progress thread: with the
-progress-thread delay the suite gives its TP 1 engines, the TP 1 decode engine's READ from it
-completed only after minutes, long after P's lease ran out (docs/vllm.md)."""
+Run by `make test-vllm-tp`, not by `make test-vllm` (CI): TP 2 prefill -> TP 1 decode
+passed there once and timed out once in the whole suite, the TP 1 decode engine's READ from
+the two TP 2 workers finishing minutes late, after P's lease ran out (docs/vllm.md). The TP 2
+engine keeps nixl's busy progress thread (with the delay it failed the same way)."""
 
 from __future__ import annotations
 

@@ -122,14 +122,11 @@ class EventChecker:
     def _check_lines(self, part: bytes) -> None:
         # `part` ends with a newline. bytes.split and slicing run in C; a token event costs
         # a few C calls plus one skipping JSON decode.
-        if (not self.done and part.startswith(_DATA) and part.isascii() and b"\r" not in part
+        if (not self.done and part.startswith(_DATA) and b"\r" not in part
                 and self._only_events(part)):
             return
-        # Most reads are whole `data: {...}\n\n` events: split on event ends, one line each.
-        lines = part.split(b"\n\n") if part.endswith(b"\n\n") else []
-        if part.count(b"\n") != 2 * (len(lines) - 1):  # not only such events: line by line
-            lines = part.split(b"\n")
-        lines.pop()  # the empty piece after the last separator
+        lines = part.split(b"\n")  # anything else, line by line: the check names the fault
+        lines.pop()  # the empty piece after the last newline
         if len(part) > self._max and max(map(len, lines)) > self._max:
             raise SSELineTooLong(f"an SSE line is longer than {self._max} bytes")
         if not part.isascii():  # one fast pass; per-line UTF-8 decode only when needed
@@ -146,15 +143,20 @@ class EventChecker:
             self._check_line(line)
 
     def _only_events(self, part: bytes) -> bool:
-        """True when `part` (ASCII, no CR) is nothing but whole `data: <payload>` events, every
-        payload a JSON object but a last `[DONE]` (then noted): how an engine that is ahead
-        of the relay sends. The decoder runs over the payloads from C (`map`), without a
-        Python step per line. False: the line-by-line check decides (and names the fault)."""
+        """True when `part` (no CR) is nothing but whole `data: <payload>` events in UTF-8,
+        every payload a JSON object but a last `[DONE]` (then noted): how engines send. The
+        decoder runs over the payloads from C (`map`), without a Python step per line.
+        False: the line-by-line check decides (and names the fault)."""
         payloads = part[len(_DATA):-2].split(_NEXT_EVENT)
         # No payload may hold a newline (JSON takes one as whitespace; SSE ends the line
         # there). A join and memchr cost far less than bytes.count's byte-by-byte loop.
         if not part.endswith(b"\n\n") or b"\n" in b"".join(payloads):
             return False
+        if not part.isascii():
+            try:
+                part.decode()  # one pass for every line
+            except UnicodeDecodeError:
+                return False
         if len(part) > self._max and max(map(len, payloads)) + len(_DATA) > self._max:
             raise SSELineTooLong(f"an SSE line is longer than {self._max} bytes")
         done = payloads[-1] == _DONE

@@ -60,8 +60,8 @@ class VllmCluster:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The push module first: it starts its own engines (module scope) and stops them at
-    its end, before the session's pull engines exist. Six vLLM engines at once on a
-    2-core machine stall each other past the tests' deadlines."""
+    its end, before the session's pull engines exist (both sets at once on a 2-core
+    machine stall each other past the tests' deadlines)."""
     items.sort(key=lambda item: item.get_closest_marker("vllm_push") is None)
 
 

@@ -119,17 +119,16 @@ def _spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path,
 
 
 def vllm_env(core: str, side_channel_port: int | None, *,
-             pthr_delay: bool = True) -> dict[str, str]:
+             busy_progress: bool = False) -> dict[str, str]:
     """Environment for one vLLM engine pinned to `core` (a VLLM_CPU_OMP_THREADS_BIND
-    value such as "0" or "0-1"). `pthr_delay`: slow NIXL's progress thread down (see
-    `NIXL_PTHR_DELAY_US`), else keep nixl's busy progress thread as it is.
+    value such as "0" or "0-1"). NIXL's progress thread is slowed down (see
+    `NIXL_PTHR_DELAY_US`) unless `busy_progress`, which keeps nixl's busy thread as it is.
 
-    Not reniced: at nice 19 a push engine's worker stalled for minutes, even on colocated
-    requests (`No available shared memory broadcast block found in 60 seconds`): each step
-    calls into the agent, which the low-priority progress thread held while the engines'
-    nice-0 threads (vLLM's workers spin on `sched_yield` between steps) kept it off the
-    core. The hook's nice mode (`PDGATE_NIXL_PTHR_NICE`) stays for a machine with cores
-    to spare."""
+    Not reniced either: at nice 19 a push engine's worker stalled for minutes, even on
+    colocated requests (`No available shared memory broadcast block found in 60
+    seconds`): each step calls into the agent, which the low-priority progress thread held
+    while the engines' nice-0 threads (vLLM's workers spin on `sched_yield` between steps)
+    kept it off the core."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
     env.update({
         "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -146,10 +145,10 @@ def vllm_env(core: str, side_channel_port: int | None, *,
     })
     if side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
-    if pthr_delay:
-        env["PDGATE_NIXL_PTHR_DELAY_US"] = NIXL_PTHR_DELAY_US
-    else:
+    if busy_progress:
         env.pop("PDGATE_NIXL_PTHR_DELAY_US", None)
+    else:
+        env["PDGATE_NIXL_PTHR_DELAY_US"] = NIXL_PTHR_DELAY_US
     return env
 
 
@@ -184,7 +183,7 @@ def start_vllm(python: Path, model_dir: Path, name: str, log_dir: Path, *, core:
     # push engine's worker stopped answering its engine core after its first NIXL
     # handshake (vllm-cpu 0.32, nixl 1.5.1; nixl_delay_site.py).
     push = (kv_config or {}).get("kv_connector") == "NixlPushConnector"
-    env = vllm_env(core, side, pthr_delay=not (push or busy_progress))
+    env = vllm_env(core, side, busy_progress=push or busy_progress)
     proc = _spawn(name, argv, env, log_dir, f"http://127.0.0.1:{port}")
     if side is not None:
         proc.extra["side_channel_port"] = side

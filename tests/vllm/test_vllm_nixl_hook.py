@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,11 +34,17 @@ print(json.dumps([{"idle_cpu_s": cpu(t) - start[t]} for t in new]))
 """
 
 
-def agent_threads(python: Path, env: dict[str, str]) -> list[dict[str, float]]:
+def run_probe(python: Path, probe: str, env: dict[str, str]) -> Any:
+    """What `probe` printed last (JSON), run by `python` with the hook's variables `env`
+    only (none inherited) and NIXL on loopback."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("PDGATE_NIXL")}
-    done = subprocess.run([str(python), "-c", PROBE], env={**base, "UCX_NET_DEVICES": "lo",
+    done = subprocess.run([str(python), "-c", probe], env={**base, "UCX_NET_DEVICES": "lo",
                           **env}, capture_output=True, text=True, timeout=90, check=True)
-    threads: list[dict[str, float]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def agent_threads(python: Path, env: dict[str, str]) -> list[dict[str, float]]:
+    threads: list[dict[str, float]] = run_probe(python, PROBE, env)
     assert threads, "the agent started no threads"
     return threads
 
@@ -64,11 +71,7 @@ print(json.dumps([pinned, sorted(os.sched_getaffinity(0))]))
 
 
 def test_the_kv_transfer_core_vllm_reserves_is_the_engines_own(vllm_python: Path) -> None:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("PDGATE_NIXL")}
-    done = subprocess.run([str(vllm_python), "-c", AFFINITY_PROBE],
-                          env={**base, "PDGATE_NIXL_CORES": "0"}, capture_output=True,
-                          text=True, timeout=60, check=True)
-    pinned, elsewhere = json.loads(done.stdout.strip().splitlines()[-1])
+    pinned, elsewhere = run_probe(vllm_python, AFFINITY_PROBE, {"PDGATE_NIXL_CORES": "0"})
     last = (os.cpu_count() or 1) - 1
     assert pinned == [0]
     assert elsewhere == [last]  # other callers keep their mask

@@ -256,7 +256,7 @@ def _restart_new_id(dead: Proc) -> Proc:
     at = argv.index("--kv-transfer-config") + 1
     argv[at] = json.dumps(_push_config(dead.name.split("-")[0]))
     env = vllm_env(CORES[dead.name.split("-")[0]], dead.extra["side_channel_port"],
-                   pthr_delay=False)
+                   busy_progress=True)
     proc = _spawn(f"{dead.name}-restarted", argv, env, PUSH_LOGS, dead.url)
     proc.extra = dict(dead.extra)
     return proc

@@ -75,7 +75,6 @@ class Push:
     pa: Proc  # also the colocated reference
     d: Proc
     procs: list[Proc]  # every process started (restarts too), stopped at the module's end
-    pb: Proc | None = None  # the second prefill engine, started by the 2P1D tests
 
     def router(self, name: str, prefill: list[Proc]) -> Proc:
         proc = start_router(self.model_dir, [p.url for p in prefill], [self.d.url],
@@ -220,10 +219,10 @@ async def test_concurrent_requests_all_pushed(push: Push, router_1p: Proc) -> No
 @pytest.fixture(scope="module")
 def pb(push: Push) -> Proc:
     """The second prefill engine (stopped with the module's other processes)."""
-    push.pb = _start_push_engine(push.python, push.model_dir, "PB")
-    push.procs.append(push.pb)
-    wait_ready([push.pb], "/health", ENGINE_START_TIMEOUT_S)
-    return push.pb
+    pb = _start_push_engine(push.python, push.model_dir, "PB")
+    push.procs.append(pb)
+    wait_ready([pb], "/health", ENGINE_START_TIMEOUT_S)
+    return pb
 
 
 @pytest.fixture(scope="module")

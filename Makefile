@@ -69,14 +69,14 @@ test: deb-deps lint typecheck pytest
 # .cache/vllm-venv on first use (~1.5 min; PDGATE_VLLM_VENV moves it), then runs tests/vllm.
 test-vllm: $(STAMP)
 	$(PY) -m tests.vllm.venv
-	$(PY) -m pytest -q -m 'vllm and not vllm_push_2p1d and not vllm_tp' tests/vllm $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m vllm tests/vllm $(PYTEST_ARGS)
 
-# Every push-mode test: make test-vllm's single-prefill ones plus 2P1D and kill/restart (not in CI: docs/vllm.md).
+# Only the push-mode tests (also part of make test-vllm).
 test-vllm-push: $(STAMP)
 	$(PY) -m tests.vllm.venv
 	$(PY) -m pytest -q -m vllm_push tests/vllm $(PYTEST_ARGS)
 
-# Heterogeneous tensor parallelism (a TP 2 engine beside TP 1 ones; not in CI: docs/vllm.md).
+# Only the heterogeneous tensor parallelism tests (a TP 2 engine beside TP 1 ones; also part of make test-vllm).
 test-vllm-tp: $(STAMP)
 	$(PY) -m tests.vllm.venv
 	$(PY) -m pytest -q -m vllm_tp tests/vllm $(PYTEST_ARGS)

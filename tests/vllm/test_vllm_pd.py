@@ -94,6 +94,21 @@ def kv_sources(d: str) -> tuple[float, float]:
             metric(d, KV_SOURCE, 'source="local_compute"'))
 
 
+def check_kv_over_nixl(router: str, decode: str, reference: str) -> None:
+    """Greedy output through `router` equals the colocated engine `reference`'s (short
+    and longer prompts), and `decode` loaded the prompts over NIXL instead of computing
+    them."""
+    external0, local0 = kv_sources(decode)
+    for words in (12, 60):
+        prompt = unique_prompt(words)
+        via_router = complete(router, prompt, 12)
+        colocated = complete(reference, prompt, 12)
+        assert via_router.choices[0].text == colocated.choices[0].text
+    external1, local1 = kv_sources(decode)
+    assert external1 > external0
+    assert local1 == local0
+
+
 def test_completion_through_router(vllm_cluster: VllmCluster) -> None:
     raw = client(vllm_cluster.router.url).completions.with_raw_response.create(
         model=SERVED_NAME, prompt="Hello world", max_tokens=8, temperature=0,

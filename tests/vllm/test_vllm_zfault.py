@@ -108,6 +108,20 @@ def _recovered(router: str) -> float:
             + metric(router, "pdgate_fallbacks_total"))
 
 
+async def _holds_nothing(engine: Proc, within_s: float = 30.0, *, blocks: bool = True) -> None:
+    """`engine`'s own metrics come back to no request running or waiting and (`blocks`) no
+    KV block in use: what the legs cut off by a kill held is freed, not leaked."""
+    names = ["vllm:num_requests_running", "vllm:num_requests_waiting"]
+    names += ["vllm:kv_cache_usage_perc"] if blocks else []
+    held: dict[str, float] = {}
+    for _ in range(int(within_s * 2)):
+        held = {name: metric(engine.url, name) for name in names}
+        if not any(held.values()):
+            return
+        await asyncio.sleep(0.5)
+    raise AssertionError(f"{engine.name} still holds {held} after {within_s} s")
+
+
 async def test_prefill_engine_killed_mid_load(vllm_cluster: VllmCluster, p2: Proc,
                                               router: Proc) -> None:
     c = vllm_cluster
@@ -125,6 +139,7 @@ async def test_prefill_engine_killed_mid_load(vllm_cluster: VllmCluster, p2: Pro
                for _, r in results)
     # Some leg met the dead engine and was retried on P (or ran decode-only), counted.
     assert _recovered(router.url) > before, c.logs()
+    await _holds_nothing(c.d)
 
     assert httpx.get(router.url + "/ready", timeout=5).status_code == 200
     after = [await _routed(router.url, unique_prompt(25)) for _ in range(3)]

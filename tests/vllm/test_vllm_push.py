@@ -4,9 +4,10 @@ with `NixlPushConnector`: both legs at once, D registers its blocks with P, P WR
 This module starts its own push-mode engines (prefill engine PA on core 0, decode engine D
 on core 1) and stops them at its end. PA also serves as the colocated reference (a request
 without `kv_transfer_params` is an ordinary one). The router learns each prefill engine's
-NIXL identity from its first answer. The 2P1D tests start a second
-prefill engine PB beside PA; the last kills PB under load and restarts it on the same ports
-under a new engine id, which the router learns again.
+NIXL identity from its first answer. The 2P1D tests start a second prefill engine PB beside
+PA; the last kills PB under load and restarts it on the same ports under a new engine id,
+which the router learns again. The last two run a TP 2 push engine as P in front of D, then
+as D behind PA.
 """
 
 from __future__ import annotations
@@ -295,7 +296,8 @@ async def test_prefill_engine_killed_and_restarted(push: Push, pb: Proc,
 
 @pytest.fixture(scope="module")
 def tp2(push: Push) -> Proc:
-    """A push engine with `--tensor-parallel-size 2` (one worker per core)."""
+    """A push engine with `--tensor-parallel-size 2`, both ranks on core 0 beside the
+    prefill engines (D keeps core 1; docs/vllm.md "Verified on CPU")."""
     engine = start_vllm(push.python, push.model_dir, "TP2", PUSH_LOGS, core="0|0",
                         kv_config=_push_config("TP2"),
                         extra_args=["--tensor-parallel-size", "2"])
@@ -310,9 +312,11 @@ def test_tp2_prefill_engine_pushes_to_a_tp1_decode_engine(push: Push, tp2: Proc)
     `tp_size` the router passes in D's leg): colocated text, the prompt over NIXL."""
     router = push.router("router-push-tp2-p", [tp2])
     check_kv_over_nixl(router.url, push.d.url, push.pa.url)
+    assert metric(router.url, "pdgate_fallbacks_total") == 0  # pushed, not pulled
 
 
 @pytest.mark.vllm_tp
 def test_tp1_prefill_engine_pushes_to_a_tp2_decode_engine(push: Push, tp2: Proc) -> None:
     router = push.router("router-push-tp2-d", [push.pa], decode=tp2)
     check_kv_over_nixl(router.url, tp2.url, push.pa.url)
+    assert metric(router.url, "pdgate_fallbacks_total") == 0

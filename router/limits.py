@@ -587,7 +587,7 @@ class _Reply(msgspec.Struct, frozen=True):
 
 class _Worker:
     def __init__(self, memory_bytes: int) -> None:
-        code = "from router.limits import worker_main; worker_main()"
+        code = "from pdgate.router.limits import worker_main; worker_main()"
         # Own session: a terminal's Ctrl-C goes to the router, which then closes stdin.
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code, str(memory_bytes)], stdin=subprocess.PIPE,

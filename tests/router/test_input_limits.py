@@ -143,6 +143,20 @@ async def test_template_worker_is_killed_when_it_does_not_stop(
         await tok.aclose()
 
 
+async def test_template_workers_run_where_the_router_is_installed(
+    tokenizer: PromptTokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A router started from any directory (as an installed `pdgate` is) renders client
+    templates: its workers import the installed package, not this checkout's folders."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("PYTHONPATH", raising=False)
+    tok = tokenizer.with_limits(InputLimits(allow_client_chat_template=True))
+    try:
+        assert await tok.render_chat(HI, chat_template="{{ 6 * 7 }}") == "42"
+    finally:
+        await tok.aclose()
+
+
 async def test_template_worker_memory_is_capped(tokenizer: PromptTokenizer) -> None:
     tok = tokenizer.with_limits(InputLimits(allow_client_chat_template=True))
     assert tok._workers is not None

@@ -77,7 +77,6 @@ class Proc:
     popen: subprocess.Popen[bytes]
     log_path: Path
     env: dict[str, str]
-    cores: frozenset[int] | None = None  # the CPUs the whole tree may run on; None: any
     extra: dict[str, int] = field(default_factory=dict)
     kv_events: str | None = None  # the engine's KV-events ZMQ endpoint, if it publishes
 
@@ -112,44 +111,31 @@ def _signal_group(pgid: int, sig: int) -> None:
 
 
 def _spawn(name: str, argv: list[str], env: dict[str, str], log_dir: Path,
-           url: str, cores: frozenset[int] | None = None) -> Proc:
-    """Start `argv` in its own session, output to `log_dir/name.log`; with `cores`, the
-    child and everything it starts may run only there (set before exec, so no process of
-    the tree ever starts elsewhere)."""
+           url: str) -> Proc:
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{name}.log"
-    pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
     with log_path.open("wb") as log:
         popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                 cwd=log_dir, start_new_session=True, preexec_fn=pin)
-    return Proc(name, url, popen, log_path, env, cores)
+                                 cwd=log_dir, start_new_session=True)
+    return Proc(name, url, popen, log_path, env)
 
 
 def restart(dead: Proc, log_dir: Path, argv: list[str] | None = None) -> Proc:
     """`dead`'s command again (or `argv`), with its environment (so its NIXL side-channel
-    port) and cores, logging to `<name>-restarted.log`."""
+    port and cores), logging to `<name>-restarted.log`."""
     args = argv if argv is not None else [str(a) for a in cast("list[str]", dead.popen.args)]
-    proc = _spawn(f"{dead.name}-restarted", args, dead.env, log_dir, dead.url, dead.cores)
+    proc = _spawn(f"{dead.name}-restarted", args, dead.env, log_dir, dead.url)
     proc.extra = dict(dead.extra)
     proc.kv_events = dead.kv_events
     return proc
 
 
-def core_set(spec: str) -> frozenset[int]:
-    """A VLLM_CPU_OMP_THREADS_BIND value ("0", "0-1", "0,1", per-rank "0|1") as CPUs."""
-    cores: set[int] = set()
-    for part in spec.replace("|", ",").split(","):
-        first, _, last = part.partition("-")
-        cores.update(range(int(first), int(last or first) + 1))
-    return frozenset(cores)
-
-
 def vllm_env(core: str, side_channel_port: int | None) -> dict[str, str]:
     """Environment for one vLLM engine pinned to `core` (a VLLM_CPU_OMP_THREADS_BIND
     value such as "0" or "0-1"), with the venv hook's settings (vllm_site_hook.py): NIXL's
-    progress thread polls every `NIXL_PTHR_DELAY_US` instead of spinning, the core vLLM
-    reserves for KV transfer is the engine's own, and vLLM's message-queue readers block
-    instead of spinning on `sched_yield`.
+    progress thread polls every `NIXL_PTHR_DELAY_US` instead of spinning, every process of
+    the engine (and the core vLLM reserves for KV transfer) stays on `core`, and vLLM's
+    message-queue readers block instead of spinning on `sched_yield`.
 
     Not reniced: at nice 19 a push engine's worker stalled for minutes, even on colocated
     requests (`No available shared memory broadcast block found in 60 seconds`): each step
@@ -160,7 +146,7 @@ def vllm_env(core: str, side_channel_port: int | None) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "VLLM_CPU_OMP_THREADS_BIND": core,
         "PDGATE_NIXL_PTHR_DELAY_US": NIXL_PTHR_DELAY_US,
-        "PDGATE_NIXL_CORES": core,
+        "PDGATE_ENGINE_CORES": core,
         "PDGATE_VLLM_MQ_SPIN_S": "0",
         "PDGATE_VLLM_MQ_RECHECK_MS": "2",
         "UCX_NET_DEVICES": "lo",
@@ -202,7 +188,7 @@ def start_vllm(python: Path, model_dir: Path, name: str, log_dir: Path, *, core:
         argv += ["--kv-events-config", json.dumps(config)]
     argv += extra_args or []
     env = vllm_env(core, side)
-    proc = _spawn(name, argv, env, log_dir, f"http://127.0.0.1:{port}", core_set(core))
+    proc = _spawn(name, argv, env, log_dir, f"http://127.0.0.1:{port}")
     if side is not None:
         proc.extra["side_channel_port"] = side
     proc.kv_events = events

@@ -1,6 +1,6 @@
 """The vLLM venv's hook (tests/vllm/vllm_site_hook.py) does what the test engines rely on:
 with `PDGATE_NIXL_PTHR_DELAY_US` an idle agent's progress thread stops spinning, so three
-engines fit two cores; with `PDGATE_NIXL_CORES` the core vLLM's NIXL worker reserves is the
+engines fit two cores; with `PDGATE_ENGINE_CORES` the core vLLM's NIXL worker reserves is the
 engine's own; with `PDGATE_VLLM_MQ_SPIN_S=0` a message-queue reader waiting for its next
 message blocks instead of spinning on `sched_yield`, and with `PDGATE_VLLM_MQ_RECHECK_MS`
 looks at the queue again that often (a lost wake-up no longer costs 5 s). Without the
@@ -74,7 +74,7 @@ print(json.dumps([pinned, sorted(os.sched_getaffinity(0))]))
 
 
 def test_the_kv_transfer_core_vllm_reserves_is_the_engines_own(vllm_python: Path) -> None:
-    pinned, elsewhere = run_probe(vllm_python, AFFINITY_PROBE, {"PDGATE_NIXL_CORES": "0"})
+    pinned, elsewhere = run_probe(vllm_python, AFFINITY_PROBE, {"PDGATE_ENGINE_CORES": "0"})
     last = (os.cpu_count() or 1) - 1
     assert pinned == [0]
     assert elsewhere == [last]  # other callers keep their mask

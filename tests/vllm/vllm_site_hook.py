@@ -10,11 +10,14 @@ two engines on a 2-core machine then slow decode about 10x. vLLM builds the agen
 `nixl._api.nixl_agent`; the hook wraps the pybind `nixlAgent` constructor the `_api` module
 calls and sets `pthrDelay` on the config it is given.
 
-`PDGATE_NIXL_CORES` (a core list such as "0" or "0,1"): on CPU, vLLM's NIXL worker moves its
-main thread to the last core of each NUMA node, "reserved" for KV transfer, and every thread
-it starts later follows (NIXL's progress thread). On a 2-core machine that put every engine's
-main and NIXL threads on core 1, beside the decode engine pinned there. The hook makes that
-call pin the thread to the engine's own cores instead.
+`PDGATE_ENGINE_CORES` (a core list such as "0", "0,1" or vLLM's per-rank "0|1"): every
+process of the engine runs only there, from interpreter start. `VLLM_CPU_OMP_THREADS_BIND`
+pins only the workers; the API server and engine core floated onto the other engine's core.
+And on CPU, vLLM's NIXL worker moves its main thread to the last core of each NUMA node,
+"reserved" for KV transfer, and every thread it starts later follows (NIXL's progress
+thread). On a 2-core machine that put every engine's main and NIXL threads on core 1, beside
+the decode engine pinned there. The hook makes that call pin the thread to the engine's own
+cores instead.
 
 `PDGATE_VLLM_MQ_SPIN_S` (seconds) and `PDGATE_VLLM_MQ_RECHECK_MS`: vLLM's shared-memory
 message queue readers (each worker waiting for its engine core's next step, the engine core
@@ -44,7 +47,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 _DELAY_ENV = "PDGATE_NIXL_PTHR_DELAY_US"
-_CORES_ENV = "PDGATE_NIXL_CORES"
+_CORES_ENV = "PDGATE_ENGINE_CORES"
 _SPIN_ENV = "PDGATE_VLLM_MQ_SPIN_S"
 _RECHECK_ENV = "PDGATE_VLLM_MQ_RECHECK_MS"
 _RESERVING_MODULE = ".nixl.base_worker"  # vLLM's module that reserves the KV-transfer core
@@ -79,29 +82,12 @@ def _delay_patch(delay_us: int) -> Patch:
     return patch
 
 
-def _recheck_patch(interval_ms: int) -> Patch:
+def _queue_patch(spin_s: float | None, recheck_ms: int | None) -> Patch:
     def patch(module: types.ModuleType) -> None:
-        setattr(module, "SHM_READER_RECHECK_INTERVAL_MS", interval_ms)  # noqa: B010
-    return patch
-
-
-def _spin_patch(seconds: float) -> Patch:
-    def patch(module: types.ModuleType) -> None:
-        cls = module.SpinCondition
-        init = cls.__init__
-
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
-            kwargs.pop("busy_loop_s", None)
-            init(self, *args[:3], busy_loop_s=seconds, **kwargs)
-
-        cls.__init__ = __init__
-    return patch
-
-
-def _both(patches: list[Patch]) -> Patch:
-    def patch(module: types.ModuleType) -> None:
-        for one in patches:
-            one(module)
+        if spin_s is not None:  # vLLM never passes busy_loop_s: its default is the spin
+            module.SpinCondition.__init__.__defaults__ = (spin_s,)
+        if recheck_ms is not None:
+            setattr(module, "SHM_READER_RECHECK_INTERVAL_MS", recheck_ms)  # noqa: B010
     return patch
 
 
@@ -162,17 +148,18 @@ def install() -> None:
     patches: dict[str, Patch] = {}
     if delay := os.environ.get(_DELAY_ENV):
         patches.update(dict.fromkeys(_NIXL_API_MODULES, _delay_patch(int(delay))))
-    mq_patches = []
-    if spin := os.environ.get(_SPIN_ENV):
-        mq_patches.append(_spin_patch(float(spin)))
-    if recheck := os.environ.get(_RECHECK_ENV):
-        mq_patches.append(_recheck_patch(int(recheck)))
-    if mq_patches:
-        patches[_MQ_MODULE] = _both(mq_patches)
+    spin, recheck = os.environ.get(_SPIN_ENV), os.environ.get(_RECHECK_ENV)
+    if spin or recheck:
+        patches[_MQ_MODULE] = _queue_patch(float(spin) if spin else None,
+                                           int(recheck) if recheck else None)
     if patches and not any(isinstance(f, _Finder) for f in sys.meta_path):
         sys.meta_path.insert(0, _Finder(patches))
-    if cores := os.environ.get(_CORES_ENV):
-        _pin_reserved_core(_cores(cores))
+    if spec := os.environ.get(_CORES_ENV):
+        cores = _cores(spec)
+        # Every process of the engine starts here (API server, engine core, workers: each
+        # a fresh interpreter), before any of its threads: the whole tree stays on them.
+        os.sched_setaffinity(0, cores)
+        _pin_reserved_core(cores)
 
 
 install()

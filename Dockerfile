@@ -74,14 +74,16 @@ websockets==17.4
 yarl==1.25.1
 EOF
 COPY pyproject.toml README.md ./
-COPY router ./router
-COPY proxy ./proxy
-COPY pdgate ./pdgate
+COPY src/pdgate/__init__.py src/pdgate/py.typed src/pdgate/cli.py ./src/pdgate/
+COPY src/pdgate/router ./src/pdgate/router
+COPY src/pdgate/proxy ./src/pdgate/proxy
+COPY src/pdgate/contract ./src/pdgate/contract
+COPY src/pdgate/common ./src/pdgate/common
 # Only the router's packages are copied, so the wheel has no engine_shim and the image
-# cannot import torch or nixl even by accident.
+# cannot import torch or nixl even by accident (tests/deploy/test_wheel.py builds this list).
 RUN python -m venv /opt/pdgate \
  && /opt/pdgate/bin/pip install --constraint constraints-router.txt . \
- && /opt/pdgate/bin/python -c "import pdgate.router.app, pdgate.proxy; import importlib.util as u; \
+ && /opt/pdgate/bin/python -c "import pdgate.router.http.app, pdgate.proxy; import importlib.util as u; \
 assert u.find_spec('torch') is None and u.find_spec('nixl') is None"
 
 # ---------------------------------------------------------------- router: runtime image
@@ -116,10 +118,12 @@ numpy==2.4.6
 EOF
 COPY --from=router-build /src/constraints-router.txt /src/constraints-router.txt
 COPY pyproject.toml README.md ./
-COPY router ./router
-COPY proxy ./proxy
-COPY pdgate ./pdgate
-COPY engine_shim ./engine_shim
+# The shim's packages only: an engine image carries no router code.
+COPY src/pdgate/__init__.py src/pdgate/py.typed src/pdgate/cli.py ./src/pdgate/
+COPY src/pdgate/engine_shim ./src/pdgate/engine_shim
+COPY src/pdgate/proxy ./src/pdgate/proxy
+COPY src/pdgate/contract ./src/pdgate/contract
+COPY src/pdgate/common ./src/pdgate/common
 # torch from the CUDA 13 index; nixl-cu13 directly (the `nixl` meta package would pull the
 # CUDA 12 build too); then the project itself without re-resolving its `shim` extra.
 RUN python3 -m venv /opt/pdgate \

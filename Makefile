@@ -19,7 +19,7 @@ run: $(STAMP)
 	$(VENV)/bin/pdgate up $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check router proxy engine_shim pdgate tests bench
+	$(VENV)/bin/ruff check src tests bench
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -54,9 +54,9 @@ from pdgate.engine_shim.prefix_cache import (  # noqa: E402
     block_hashes,
 )
 from pdgate.engine_shim.tiny import ensure_tiny_model  # noqa: E402
-from pdgate.router.app import create_app  # noqa: E402
 from pdgate.router.config import RouterConfig  # noqa: E402
-from pdgate.router.tokenization import load_tokenizer  # noqa: E402
+from pdgate.router.http.app import create_app  # noqa: E402
+from pdgate.router.input.tokenization import load_tokenizer  # noqa: E402
 
 BS = 16
 POLICIES = ["round-robin", "least-inflight", "power-of-two", "session", "prefix-aware",

@@ -25,31 +25,27 @@ STALE = [re.compile(p, re.IGNORECASE) for p in (
     r"before this .* fix",  # within one line
     r"§\d",
 )]
-# Backtick spans that name a repository path: these top-level entries, then a path.
-_TOP = ("router/", "proxy/", "engine_shim/", "pdgate/", "tests/", "bench/", "docs/", "helm/",
+# Backtick spans that name a repository path: these top-level entries, then a path. The
+# package paths (`router/flows/pull.py`) are read from src/pdgate/, as the docs say.
+_PACKAGES = ("router/", "proxy/", "engine_shim/", "contract/", "common/")
+_TOP = (*_PACKAGES, "src/", "tests/", "bench/", "docs/", "helm/",
         ".ci/", "Makefile", "Dockerfile", "pyproject.toml", "README.md")
 _BACKTICK = re.compile(r"`([^`\s]+)`")
 _LINK = re.compile(r"\]\(([^)\s]+)\)")
 _PATHLIKE = re.compile(r"[\w./-]+")
-PYTHON_DIRS = ("router", "proxy", "engine_shim", "pdgate", "bench", "tests")
+PYTHON_DIRS = ("src", "bench", "tests")
 
 
 def doc_files(root: Path = ROOT) -> list[Path]:
     """Every document the checks cover."""
-    files = [root / "README.md", root / "engine_shim" / "README.md",
+    files = [root / "README.md", root / "src" / "pdgate" / "engine_shim" / "README.md",
              *sorted((root / "docs").glob("*.md")), *sorted((root / "helm").rglob("README*"))]
     return [f for f in files if f.is_file()]
 
 
 def python_files(root: Path = ROOT) -> list[Path]:
-    """The repository's Python sources (pdgate/'s links to the packages are not followed)."""
-    out: list[Path] = []
-    for top in PYTHON_DIRS:
-        for path in sorted((root / top).rglob("*.py")):
-            rel = path.relative_to(root)
-            if top == "pdgate" and (root / rel.parts[0] / rel.parts[1]).is_symlink():
-                continue
-            out.append(path)
+    """The repository's Python sources."""
+    out = [path for top in PYTHON_DIRS for path in sorted((root / top).rglob("*.py"))]
     return [p for p in out if p != Path(__file__).resolve()]
 
 
@@ -100,7 +96,12 @@ def missing_paths(doc: Path, root: Path = ROOT) -> list[str]:
     name = doc.relative_to(root) if doc.is_relative_to(root) else doc
     return [f"{name}:{lineno}: {path}"
             for lineno, path, link in named_paths(doc.read_text())
-            if not ((doc.parent if link else root) / path).exists()]
+            if not (doc.parent / path if link else path_base(root, path) / path).exists()]
+
+
+def path_base(root: Path, path: str) -> Path:
+    """Where a backtick path is read from: src/pdgate/ for a package path, else the root."""
+    return root / "src" / "pdgate" if path.startswith(_PACKAGES) else root
 
 
 def test_docs_have_no_stale_markers() -> None:
@@ -122,7 +123,7 @@ def test_paths_named_in_the_docs_exist() -> None:
 
 def test_the_checks_cover_the_docs_and_sources() -> None:
     names = {str(d.relative_to(ROOT)) for d in doc_files()}
-    assert {"README.md", "docs/architecture.md", "engine_shim/README.md"} <= names
+    assert {"README.md", "docs/architecture.md", "src/pdgate/engine_shim/README.md"} <= names
     assert len(python_files()) > 100
     paths = [p for d in doc_files() for _, p, _ in named_paths(d.read_text())]
     assert "docs/architecture.md" in paths and len(paths) > 50

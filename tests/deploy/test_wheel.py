@@ -6,6 +6,7 @@ from the package index, or pip's cache after `make test` built .venv)."""
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,8 @@ from email.parser import Parser
 from pathlib import Path
 
 import pytest
+
+from tests.deploy.test_dockerfile import parse_dockerfile
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -92,20 +95,55 @@ def test_engine_commands_name_the_missing_extra(venv: Path, command: str) -> Non
     assert "Traceback" not in out.stderr
 
 
-def test_the_router_image_context_builds_a_wheel_without_the_shim(tmp_path: Path) -> None:
-    """What the Dockerfile's router stage copies (no engine_shim/): the `pdgate/engine_shim`
-    link dangles there and the wheel has the router and proxy only."""
+def stage_context(stage_name: str, dest: Path) -> None:
+    """Copy what the Dockerfile's `stage_name` stage COPYs from the build context (not from
+    other stages, not heredocs) into `dest`, at the destinations it names under /src."""
+    text = (ROOT / "Dockerfile").read_text()
+    _, stages = parse_dockerfile(text)
+    (stage,) = [s for s in stages if s.name == stage_name]
+    for instr in stage.all("COPY"):
+        words = shlex.split(instr.args)
+        if instr.heredoc is not None or any(w.startswith("--from=") for w in words):
+            continue
+        *sources, target = words
+        for source in sources:
+            src = ROOT / source
+            to = dest / target / src.name if target.endswith("/") else dest / target
+            to.parent.mkdir(parents=True, exist_ok=True)
+            if src.is_dir():
+                shutil.copytree(src, to, ignore=shutil.ignore_patterns("__pycache__"))
+            else:
+                shutil.copy(src, to)
+
+
+# stage -> (the entry point its image runs, the package it must not hold)
+STAGES = {"router-build": ("pdgate.router.cli", "pdgate.engine_shim"),
+          "shim": ("pdgate.engine_shim.cli", "pdgate.router")}
+
+
+@pytest.mark.parametrize("stage_name", sorted(STAGES))
+def test_each_image_stage_builds_and_imports_from_its_own_files(
+    stage_name: str, tmp_path: Path,
+) -> None:
+    """Each stage's file list, built into a wheel and installed into a fresh target, imports
+    its entry point, and holds no package of the other image."""
     src = tmp_path / "src"
-    src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / name, src / name)
-    for name in ("router", "proxy", "pdgate"):
-        shutil.copytree(ROOT / name, src / name, symlinks=True,
-                        ignore=shutil.ignore_patterns("__pycache__"))
+    stage_context(stage_name, src)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "-q", "-w", str(tmp_path / "dist"), str(src)], check=True, timeout=300)
     (wheel,) = (tmp_path / "dist").glob("pdgate-*.whl")
-    packages = {n.rsplit("/", 1)[0] for n in zipfile.ZipFile(wheel).namelist()
-                if n.endswith("/__init__.py")}
-    assert {"pdgate", "pdgate/router", "pdgate/proxy"} <= packages
-    assert not [p for p in packages if "engine_shim" in p]
+    target = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                    "--target", str(target), str(wheel)], check=True, timeout=300)
+    entry, foreign = STAGES[stage_name]
+    # The target comes first on the path, so its `pdgate` wins over this checkout's.
+    probe = subprocess.run(
+        [sys.executable, "-c",
+         "import importlib, importlib.util as u, pdgate;"
+         f"importlib.import_module({entry!r}); print(pdgate.__file__);"
+         f"print(u.find_spec({foreign!r}))"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False,
+        env={"PYTHONPATH": str(target), "PATH": "/usr/bin:/bin"})
+    assert probe.returncode == 0, probe.stderr
+    where, spec = probe.stdout.split()
+    assert where.startswith(str(target)) and spec == "None"

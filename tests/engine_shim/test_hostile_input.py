@@ -5,7 +5,7 @@
   is refused as soon as it crosses the limit, while the client is still sending.
 - 100,000 nested JSON arrays or objects (msgspec raises RecursionError, even in fields typed
   `Any`) and invalid UTF-8 (UnicodeDecodeError) are 400s.
-- pdgate's `kv_transfer_params` keys (proxy/kv_contract.py) are checked at the edge: a bad
+- pdgate's `kv_transfer_params` keys (contract/kv_contract.py) are checked at the edge: a bad
   field (e.g. `notify_token` over 128 chars, a `remote_port` out of range) or a
   `pdgate_kv_version` newer than the engine's is a 400 whose `param` names the key.
 """

@@ -22,8 +22,8 @@ from pdgate.engine_shim.prefix_cache import (
 )
 from pdgate.engine_shim.sampler import SamplingParams
 from pdgate.engine_shim.sequence import GenerateRequest
-from pdgate.router.kv_events import KVEventIndex, Removed, Stored, decode_batch
-from pdgate.router.prefix_index import block_hashes as router_hashes
+from pdgate.router.policies.kv_events import KVEventIndex, Removed, Stored, decode_batch
+from pdgate.router.policies.prefix_index import block_hashes as router_hashes
 
 BS = 4
 

@@ -24,6 +24,7 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
+from pdgate.contract.kv_contract import PushDecodeParams, PushPrefillParams
 from pdgate.engine_shim.connector import KVConnector
 from pdgate.engine_shim.kv_cache import PagedKVCache
 from pdgate.engine_shim.kv_layout import KVLayout
@@ -39,7 +40,6 @@ from pdgate.engine_shim.notices import (
 )
 from pdgate.engine_shim.push import Expired, Match, PendingPushes, Refusal, WriteTarget
 from pdgate.engine_shim.transfer_errors import KVTransferError
-from pdgate.proxy.kv_contract import PushDecodeParams, PushPrefillParams
 
 TTL = 10.0
 PARAMS = PushPrefillParams(num_tokens=6, notify_endpoint="tcp://127.0.0.1:1",

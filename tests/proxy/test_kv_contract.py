@@ -1,4 +1,4 @@
-"""pdgate's `kv_transfer_params` contract (proxy/kv_contract.py): what the router writes with
+"""pdgate's `kv_transfer_params` contract (contract/kv_contract.py): what the router writes with
 `to_params()` parses back to the same struct on every leg, a missing version reads as 1, a
 newer one is refused, every bad key is refused by name, and the table in docs/flows.md lists
 exactly the keys each leg's struct sends."""
@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from pdgate.proxy.kv_contract import (
+from pdgate.contract.kv_contract import (
     KV_PARAMS_VERSION,
     NOTIFY_TOKEN_MAX_CHARS,
     Continuation,

@@ -24,10 +24,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
-from pdgate.router.engines import EngineStream
+from pdgate.router.engines.client import EngineStream
+from pdgate.router.engines.sse import UsageRewriter
 from pdgate.router.flows.common import relay_chunks
 from pdgate.router.metrics import RouterMetrics
-from pdgate.router.sse import UsageRewriter
 
 TOKEN = "x" * 50
 

@@ -17,10 +17,10 @@ import pytest
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from pdgate.router.app import create_app
-from pdgate.router.client_deadlines import header_deadline_protocol
 from pdgate.router.config import RouterConfig
-from pdgate.router.tokenization import PromptTokenizer, load_tokenizer
+from pdgate.router.http.app import create_app
+from pdgate.router.http.client_deadlines import header_deadline_protocol
+from pdgate.router.input.tokenization import PromptTokenizer, load_tokenizer
 from tests.router.fake_engine import FakeEngine
 
 MODEL = "tiny"

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pdgate.router.admin import check_engine_url
 from pdgate.router.config import ConfigError, RouterConfig, validate_config
 from pdgate.router.errors import InvalidRequest
+from pdgate.router.http.admin import check_engine_url
 from pdgate.router.policies import POLICIES
 from tests.router.conftest import MODEL
 from tests.router.test_errors import COMPLETIONS, MakeEngine, StartRouter

@@ -12,8 +12,8 @@ import msgspec
 import pytest
 from aiohttp import web
 
-from pdgate.router.auth import bearer_matches
-from pdgate.router.tokenization import PromptTokenizer
+from pdgate.router.http.auth import bearer_matches
+from pdgate.router.input.tokenization import PromptTokenizer
 from tests.router.conftest import MODEL, RunningRouter, router_config, serve
 from tests.router.test_errors import COMPLETIONS, MakeEngine, StartRouter
 

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Histogram
 
 from pdgate.router import __version__
-from pdgate.router.dashboard import HistogramWindow, History
+from pdgate.router.http.dashboard import HistogramWindow, History
 from pdgate.router.metrics import RouterMetrics
 from tests.router.conftest import MODEL, RunningRouter
 from tests.router.fake_engine import FakeEngine

@@ -35,7 +35,7 @@ from pdgate.engine_shim.side_channel import (
     fetch_handshake,
 )
 from pdgate.engine_shim.transfer_errors import KVHandshakeError
-from pdgate.router.tokenization import PromptTokenizer
+from pdgate.router.input.tokenization import PromptTokenizer
 from tests.router.conftest import MODEL, router_config, serve
 from tests.router.fake_engine import FakeEngine
 
@@ -68,7 +68,7 @@ valid = completion | chat
 # A valid body with one field replaced by anything: reaches the deeper validation paths.
 mutated = st.tuples(valid, st.sampled_from(FIELDS), json_values).map(
     lambda t: {**t[0], t[1]: t[2]})
-# Hostile bodies (router/limits.py): nesting far beyond max_json_depth (arrays, objects,
+# Hostile bodies (router/input/limits.py): nesting far beyond max_json_depth (arrays, objects,
 # both, unclosed) wherever a value may go, and strings that are not UTF-8 — overlong
 # forms, encoded surrogates, code points past U+10FFFF, truncated sequences, stray bytes —
 # or hold unpaired \ud800-style escapes, in values and keys.

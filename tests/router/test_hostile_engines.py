@@ -16,7 +16,7 @@ import pytest
 from aiohttp import web
 
 from pdgate.router.config import RouterConfig
-from pdgate.router.engines import EngineClient
+from pdgate.router.engines.client import EngineClient
 from pdgate.router.errors import EngineProtocolError, EngineReplyTooLarge, RouterError
 from tests.router.conftest import MODEL, RunningRouter, sse_events
 from tests.router.fake_engine import FakeEngine

@@ -234,7 +234,7 @@ async def test_thousand_hostile_requests_no_5xx_health_responsive_rss_bounded(
     assert sum(statuses.values()) == 1000
     # Template bombs never run on the event loop: /health answers well within the budget.
     assert bombs_stall < 2 * TEMPLATE_BUDGET_S, report
-    # Megabyte bodies are decoded on the event loop (router/api.py): no freeze, though.
+    # Megabyte bodies are decoded on the event loop (router/http/api.py): no freeze, though.
     assert mixed_stall < 5.0, report
     if rss_end - rss_start >= 64 * MIB and cycles:
         pytest.xfail(f"{report}; refused requests wait for a full GC ({', '.join(cycles)} in "

@@ -1,4 +1,4 @@
-"""Hostile request bodies are refused with a 4xx and bounded work (router/limits.py).
+"""Hostile request bodies are refused with a 4xx and bounded work (router/input/limits.py).
 
 Each attack is reproduced against a real router (uvicorn on loopback, fake engines) and
 must come back as an OpenAI-style 4xx: nesting bombs and broken UTF-8 before anything is
@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from pdgate.router.tokenization import PromptTokenizer
+from pdgate.router.input.tokenization import PromptTokenizer
 from tests.router.conftest import MODEL, RunningRouter
 from tests.router.fake_engine import FakeEngine
 

@@ -1,4 +1,4 @@
-"""The engine HTTP client (router/http_client.py) against raw asyncio servers: keep-alive
+"""The engine HTTP client (router/engines/http11.py) against raw asyncio servers: keep-alive
 reuse, the retry on a kept-alive connection the server closed, body framings, the pool's
 connection limit, and its failure types."""
 
@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from pdgate.router.http_client import (
+from pdgate.router.engines.http11 import (
     STALE_CLOSE_S,
     BadResponse,
     ConnectFailed,

@@ -16,10 +16,15 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-import pdgate.router.limits as limits_module
+import pdgate.router.input.limits as limits_module
 from pdgate.router.errors import InvalidRequest
-from pdgate.router.limits import BoundedEnvironment, InputLimits, check_json_depth, render_bounded
-from pdgate.router.tokenization import PromptTokenizer, max_chars_per_token
+from pdgate.router.input.limits import (
+    BoundedEnvironment,
+    InputLimits,
+    check_json_depth,
+    render_bounded,
+)
+from pdgate.router.input.tokenization import PromptTokenizer, max_chars_per_token
 from tests.router.test_hostile_requests import HI, nested_arrays, nested_objects
 
 

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdgate.proxy.log_format import configure_logging
+from pdgate.common.log_format import configure_logging
 from pdgate.router import request_context
 from pdgate.router.health import EngineHealth, HealthSettings
 from pdgate.router.logs import request_fields, setup_logging

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from pdgate.router.config import RouterConfig
+from pdgate.router.input.tokenizer_setup import token_readers
 from pdgate.router.policies import POLICIES
 from pdgate.router.policies.registry import build_policy
-from pdgate.router.tokenizer_setup import token_readers
 from tests.router.conftest import wait_until_ready
 from tests.router.fake_engine import FakeEngine
 from tests.router.test_config import free_port

@@ -8,11 +8,11 @@ from prometheus_client import CollectorRegistry
 
 from pdgate.router.config import ConfigError, PolicySpec
 from pdgate.router.errors import NoEndpointAvailable
-from pdgate.router.kv_events import KVEventIndex, Stored
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import POLICIES, PickContext, PolicyEnv, build_policy, choose
+from pdgate.router.policies.kv_events import KVEventIndex, Stored
+from pdgate.router.policies.prefix_index import PrefixIndex, block_hashes
 from pdgate.router.pool import EndpointPool
-from pdgate.router.prefix_index import PrefixIndex, block_hashes
 
 CTX = PickContext("rid")
 BS = 4

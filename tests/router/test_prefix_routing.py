@@ -14,10 +14,10 @@ import pytest
 from pdgate.engine_shim.kv_events import KVEventPublisher
 from pdgate.engine_shim.metrics import ShimMetrics
 from pdgate.engine_shim.prefix_cache import BlockStoredEvent
-from pdgate.router.decider import PrefixDecider
-from pdgate.router.kv_events import AllCleared, KVEventIndex, Removed, Stored, decode_batch
-from pdgate.router.prefix_index import PrefixIndex, block_hashes
-from pdgate.router.schema import ClientRequest, CompletionParams
+from pdgate.router.input.schema import ClientRequest, CompletionParams
+from pdgate.router.policies.decider import PrefixDecider
+from pdgate.router.policies.kv_events import AllCleared, KVEventIndex, Removed, Stored, decode_batch
+from pdgate.router.policies.prefix_index import PrefixIndex, block_hashes
 from tests.router.conftest import RunningRouter
 from tests.router.fake_engine import FakeEngine
 

@@ -6,8 +6,8 @@ from prometheus_client import CollectorRegistry
 
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import PickContext, PolicyEnv, build_policy, choose
+from pdgate.router.policies.prefix_index import PrefixIndex
 from pdgate.router.pool import EndpointPool
-from pdgate.router.prefix_index import PrefixIndex
 
 SYSTEM = "You are a careful assistant. " * 40  # ~1160 characters: 4 full 256-char blocks
 

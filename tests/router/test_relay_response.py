@@ -11,7 +11,7 @@ from collections.abc import AsyncGenerator
 from starlette.types import Message
 
 from pdgate.router.flows.base import StreamResult
-from pdgate.router.relay_response import RelayResponse
+from pdgate.router.http.relay_response import RelayResponse
 
 
 async def _chunks(closed: list[str]) -> AsyncGenerator[bytes, None]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pdgate.router.sse import UsageRewriter
+from pdgate.router.engines.sse import UsageRewriter
 
 STREAM = (
     b'data: {"choices":[{"text":"a"}]}\n\n'

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from pdgate.router.sse import EventChecker, SSELineTooLong, SSEProtocolError, UsageRewriter
+from pdgate.router.engines.sse import EventChecker, SSELineTooLong, SSEProtocolError, UsageRewriter
 
 GOOD = (
     b'data: {"choices":[{"text":"a"}]}\n\n'

@@ -11,7 +11,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from pdgate.router.errors import InvalidRequest
-from pdgate.router.tokenization import THREAD_THRESHOLD_CHARS, PromptTokenizer
+from pdgate.router.input.tokenization import THREAD_THRESHOLD_CHARS, PromptTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pdgate.proxy.tracing import tracing_requested
-from pdgate.router.app import create_app
+from pdgate.common.tracing import tracing_requested
 from pdgate.router.config import ConfigError, RouterConfig
+from pdgate.router.http.app import create_app
 
 
 @pytest.mark.parametrize(("endpoint", "env", "on"), [

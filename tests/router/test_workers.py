@@ -23,7 +23,7 @@ import msgspec
 import pytest
 
 from pdgate.router.config import RouterConfig
-from pdgate.router.workers import split_limit, worker_config
+from pdgate.router.http.workers import split_limit, worker_config
 from tests.router.conftest import MODEL
 from tests.router.fake_engine import FakeEngine
 

@@ -1,0 +1,295 @@
+"""Command line for the router: `python -m pdgate.router` and `pdgate router`.
+
+Every flag sets the `RouterConfig` field of the same name (dashes for underscores).
+Precedence, later wins: defaults < `--config` YAML < `PDGATE_*` environment variables
+(router/settings_env.py) < flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import signal
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from pdgate.router.config import ConfigError, RouterConfig, load_config
+from pdgate.router.logs import setup_logging
+from pdgate.router.settings_env import env_overrides
+
+__all__ = ["build_parser", "main"]
+
+_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(RouterConfig)}
+
+_METAVARS = {
+    "model": "PATH_OR_NAME", "tokenizer": "PATH_OR_NAME", "prefill": "URL", "decode": "URL",
+    "served_model_name": "NAME", "engine_model_name": "NAME", "pd_mode": "MODE",
+    "prefill_policy": "POLICY", "decode_policy": "POLICY", "host": "ADDR", "log_level": "LEVEL",
+    "log_format": "FORMAT",
+    "otlp_traces_endpoint": "URL",
+    "discovery": "MODE", "namespace": "NAME", "prefill_selector": "LABELS",
+    "decode_selector": "LABELS", "prefill_port": "PORT", "decode_port": "PORT",
+    "engine_scheme": "SCHEME", "k8s_api_url": "URL",
+    "kv_events": "URL=ENDPOINT", "disagg_prefix_ratio": "RATIO",
+    "notify_bind": "ENDPOINT", "notify_advertise_host": "HOST", "notify_secret": "SECRET",
+    "api_key": "KEY", "api_keys": "KEY", "admin_api_key": "KEY", "engine_api_key": "KEY",
+}
+
+# (field, type, help). Lists are repeatable flags; the default is appended to the help.
+_FLAGS: tuple[tuple[str, Any, str], ...] = (
+    ("model", str, "model directory or hub name: tokenizer source and default served name"),
+    ("prefill", list, "prefill engine base URL, e.g. http://10.0.0.1:8100 (repeatable)"),
+    ("decode", list, "decode engine base URL, e.g. http://10.0.0.2:8200 (repeatable)"),
+    ("served_model_name", list, "model name clients may request (repeatable; "
+                                "default: --model)"),
+    ("engine_model_name", str, "model name the engines serve: a request for any served name "
+                               "is sent to the engines under this one (default: the first "
+                               "--served-model-name)"),
+    ("tokenizer", str, "tokenizer directory or hub name (default: --model)"),
+    ("max_model_len", int, "context length in tokens (default: from the model's "
+                           "config.json or the tokenizer)"),
+    ("pd_mode", str, "disaggregation flow: pull (vLLM NixlConnector: D READs P's KV) | "
+                     "notify (P WRITEs into D's reserved blocks, tells this router's proxy) "
+                     "| push (both legs at once; D registers its blocks with P)"),
+    ("prefill_policy", str, "how to pick a prefill engine: round-robin | least-inflight | "
+                            "power-of-two | session | prefix-aware | prefix-text | "
+                            "kv-events (params: YAML {type, name, params})"),
+    ("decode_policy", str, "how to pick a decode engine (same choices as --prefill-policy)"),
+    ("host", str, "address to listen on"),
+    ("port", int, "port to listen on"),
+    ("workers", int, "router processes sharing the port (SO_REUSEPORT), each with its own "
+                     "engine connections, health checks and KV-ready proxy (notify port + "
+                     "worker index); admission limits are split between them"),
+    ("connect_timeout_s", float, "seconds to open a TCP connection to an engine"),
+    ("prefill_timeout_s", float, "seconds for the whole prefill leg"),
+    ("decode_first_byte_timeout_s", float, "seconds until a decode engine answers"),
+    ("decode_idle_timeout_s", float, "max seconds between two chunks of a decode reply"),
+    ("health_interval_s", float, "seconds between engine health checks (GET /health)"),
+    ("health_timeout_s", float, "seconds one health check may take"),
+    ("startup_wait_s", float, "seconds a request arriving before the engines were first "
+                              "healthy waits for them (engines are probed every 0.2 s "
+                              "until ready)"),
+    ("max_connections", int, "max pooled connections to all engines together"),
+    ("engine_keepalive_s", float, "seconds an idle engine connection is kept open"),
+    ("max_body_bytes", int, "largest accepted request body in bytes (larger: 413)"),
+    ("shutdown_timeout_s", float, "seconds to let in-flight requests finish on shutdown"),
+    ("log_level", str, "critical | error | warning | info | debug"),
+    ("log_format", str, "log lines as text or as one JSON object each (with the request id; "
+                        "one access line per request): text | json"),
+    ("otlp_traces_endpoint", str, "OpenTelemetry: OTLP/HTTP URL spans are sent to, e.g. "
+                                  "http://otel-collector:4318/v1/traces (default: off, "
+                                  "unless OTEL_EXPORTER_OTLP_*ENDPOINT is set; needs the "
+                                  "otel extra)"),
+    ("prefix_block_size", int, "engines' KV block size in tokens, used to hash prompt "
+                               "prefixes for prefix-aware routing"),
+    ("prefix_index_max_blocks", int, "bound of each prefix index in (engine, block) "
+                                     "entries; least recently used dropped first"),
+    ("kv_events", list, "an engine's KV-events publisher (vLLM --kv-events-config), "
+                        "ENGINE_URL=tcp://host:port (repeatable)"),
+    ("disagg_min_tokens", int, "prompts shorter than this run on a decode engine alone "
+                               "(0: always disaggregate)"),
+    ("disagg_prefix_ratio", float, "run on a decode engine alone when one already holds at "
+                                   "least this fraction (0..1] of the prompt (default: off)"),
+    ("discovery", str, "where engines come from: static (--prefill/--decode) | k8s (watch "
+                       "pods by label; --prefill/--decode may add fixed ones)"),
+    ("namespace", str, "k8s: namespace to watch (default: the router pod's own)"),
+    ("prefill_selector", str, "k8s: label selector of prefill pods, e.g. "
+                              "app=pdgate,pdgate.io/role=prefill"),
+    ("decode_selector", str, "k8s: label selector of decode pods"),
+    ("prefill_port", int, "k8s: HTTP port of discovered prefill engines"),
+    ("decode_port", int, "k8s: HTTP port of discovered decode engines"),
+    ("engine_scheme", str, "k8s: URL scheme of discovered engines: http | https"),
+    ("k8s_api_url", str, "k8s: API server URL (default: in-cluster, from the service "
+                         "account; an http:// URL sends no token)"),
+    ("notify_bind", str, "notify mode: zmq endpoint of this router's KV-ready proxy (port 0: "
+                         "a free port)"),
+    ("notify_advertise_host", str, "notify mode: host engines connect to for KV-ready "
+                                   "notices (default: the bound host)"),
+    ("notify_secret", str, "notify mode: shared secret (>= 16 chars) engines sign KV-ready "
+                           "notices with (engines: --notify-secret)"),
+    ("kv_ready_timeout_s", float, "notify mode: seconds a request waits for its KV-ready "
+                                  "notice before failing with 504; push mode: seconds the "
+                                  "decode engine waits for the pushed KV (push_deadline)"),
+    ("notify_ttl_s", float, "notify mode: seconds the KV-ready proxy keeps an unclaimed "
+                            "notice or a never-awaited waiter"),
+    ("notify_reap_interval_s", float, "notify mode: seconds between the proxy's sweeps of "
+                                      "expired notices and waiters"),
+    ("early_first_token", bool, "stream the prefill engine's first token to the client at "
+                                "once; the decode engine continues after it (every mode; "
+                                "pull: completions streams, engines answering "
+                                "return_token_ids as vLLM does)"),
+    ("max_concurrent_requests", int, "requests served at once; more wait in the queue"),
+    ("max_queued_requests", int, "requests waiting for a slot; beyond that: 429 with "
+                                 "Retry-After (0: no queue)"),
+    ("queue_timeout_s", float, "seconds a queued request waits for a slot before its 429"),
+    ("api_key", str, "Bearer key required on /v1/* (default: open). Prefer env "
+                     "PDGATE_API_KEY or PDGATE_API_KEY_FILE (flags show in ps). /health, "
+                     "/ready and /metrics stay open"),
+    ("api_keys", list, "another accepted client key (repeatable; env PDGATE_API_KEYS, "
+                       "comma-separated)"),
+    ("admin_api_key", str, "Bearer key of the /admin API and /dashboard; without it the "
+                           "admin API is off (env PDGATE_ADMIN_API_KEY)"),
+    ("engine_api_key", str, "key sent as 'Authorization: Bearer' on every engine call "
+                            "(shim/vLLM --api-key; env PDGATE_ENGINE_API_KEY)"),
+    ("health_failure_threshold", int, "failed health checks in a row that mark an engine "
+                                      "unhealthy"),
+    ("health_success_threshold", int, "passing health checks in a row that mark it healthy "
+                                      "again"),
+    ("eject_consecutive_errors", int, "failed requests in a row that open an engine's "
+                                      "circuit breaker (ejected from routing)"),
+    ("breaker_open_s", float, "seconds an open breaker keeps an engine out before one trial "
+                              "request (half-open)"),
+    ("max_retries", int, "extra attempts per leg on other engines, before the first byte"),
+    ("retry_backoff_s", float, "base of the exponential, jittered pause between attempts"),
+    ("kv_abort_timeout_s", float, "deadline of the best-effort request asking an engine to "
+                                  "free what it holds for a failed or abandoned request (every "
+                                  "mode: P's blocks, D's reservation or push registration)"),
+    ("max_json_depth", int, "deepest nesting of arrays/objects accepted in a request body "
+                            "(deeper: 400)"),
+    ("max_messages", int, "most chat messages in one request (more: 400)"),
+    ("tokenize_prompts", str, "auto: tokenize prompts only when a policy, the decider or "
+                              "the flow needs the tokens | always: also to refuse prompts "
+                              "that cannot fit and render chat templates in the router"),
+    ("allow_client_chat_template", bool, "accept a client-supplied chat_template (rendered "
+                                         "in a sandbox with a time and size budget)"),
+    ("chat_template_timeout_s", float, "seconds a client chat_template may take to render "
+                                       "(longer: 400)"),
+    ("chat_template_max_output_chars", int, "largest prompt a client chat_template may "
+                                            "render, in characters (larger: 400)"),
+    ("header_timeout_s", float, "seconds a client has to send its request headers"),
+    ("body_timeout_s", float, "seconds a client has to send its whole request body (408)"),
+    ("body_chunk_timeout_s", float, "max seconds between two chunks of a request body (408)"),
+    ("stream_write_timeout_s", float, "seconds a streamed chunk may wait for a client that "
+                                      "does not read; then the stream is cut"),
+    ("max_engine_reply_bytes", int, "largest non-streaming engine reply read (larger: 502)"),
+    ("max_sse_line_bytes", int, "longest SSE line read from an engine (longer: the stream "
+                                "ends with an error event)"),
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The router's argument parser. Unset flags are absent from the namespace, so they
+    do not override values from `--config`."""
+    parser = argparse.ArgumentParser(
+        prog="pdgate router",
+        description="OpenAI-compatible prefill/decode disaggregating router.",
+        argument_default=argparse.SUPPRESS,
+    )
+    parser.add_argument("--config", metavar="YAML",
+                        help="YAML file with RouterConfig fields (flags override it)")
+    for field, typ, text in _FLAGS:
+        flag = "--" + field.replace("_", "-")
+        default = _DEFAULTS.get(field, msgspec.NODEFAULT)
+        if default not in (msgspec.NODEFAULT, None, [], ""):
+            text = f"{text} (default: {default})"
+        metavar = _METAVARS.get(field, "N" if typ is int else "SECONDS")
+        if typ is list:
+            parser.add_argument(flag, action="append", metavar=metavar, help=text)
+        elif typ is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
+        else:
+            parser.add_argument(flag, type=typ, metavar=metavar, help=text)
+    return parser
+
+
+def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
+    """Parse `argv` into a `RouterConfig` (YAML file, then flags). Raises `ConfigError`."""
+    args = vars(build_parser().parse_args(argv))
+    yaml_path = args.pop("config", None)
+    return load_config(yaml_path, {**env_overrides(os.environ), **args})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the router until SIGINT/SIGTERM. Returns the process exit status."""
+    try:
+        config = config_from_args(argv)
+        from pdgate.router.http.app import create_app  # after parsing: --help stays fast
+
+        app = create_app(config)  # validates every setting before anything is served
+    except ConfigError as exc:
+        print(f"pdgate router: error: {exc}", file=sys.stderr)
+        return 2
+    if config.workers > 1:
+        from pdgate.router.http.workers import run_workers
+
+        _setup_logging(config)
+        return run_workers(config)  # each worker builds its own app
+    return serve(config, app=app)
+
+
+def _setup_logging(config: RouterConfig) -> None:
+    setup_logging(config.log_level, config.log_format)  # uvicorn's loggers folded in
+
+
+def serve(config: RouterConfig, *, app: Any = None, sock: socket.socket | None = None,
+          worker: int | None = None) -> int:
+    """Serve `config` until SIGINT/SIGTERM: on `config.host`/`config.port`, or on `sock`
+    (bound, not yet listening: a `--workers` worker's SO_REUSEPORT socket). `worker` is that
+    worker's index, sent back in the `X-Pdgate-Worker` response header. `app`: the router
+    app already built for `config` (default: build it here)."""
+    import uvicorn
+
+    from pdgate.router.http.app import create_app
+    from pdgate.router.http.client_deadlines import header_deadline_protocol
+
+    _setup_logging(config)
+    if app is None:
+        app = create_app(config)
+    if worker is not None:
+        app = _WorkerHeader(app, worker)
+    # uvicorn re-raises the SIGINT/SIGTERM it caught once its graceful shutdown is done,
+    # restoring the handlers it found first; these make that re-raise a no-op, so a
+    # requested shutdown exits 0 instead of dying by signal or with a KeyboardInterrupt.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: None)
+    server = uvicorn.Server(uvicorn.Config(
+        app, host=config.host, port=config.port, loop="auto",
+        http=header_deadline_protocol(config.header_timeout_s),
+        timeout_graceful_shutdown=int(config.shutdown_timeout_s + 0.999),
+        log_level=config.log_level, access_log=False, log_config=None,
+        # Nothing in the router reads the client address or scheme that uvicorn's proxy
+        # headers middleware rewrites: it would be one more layer on every request.
+        proxy_headers=False,
+    ))
+    _quiet_gc()
+    # asyncio's create_server listens on `sock` once the lifespan is up: until then the
+    # kernel sends this port's connections to the workers already serving.
+    server.run(sockets=None if sock is None else [sock])
+    return 0
+
+
+def _quiet_gc() -> None:
+    """Fewer, cheaper garbage collections in a serving process: everything built so far
+    (modules, the app, its config) is frozen out of the collector's scans, and the young
+    generation is collected every 20,000 allocations instead of 700. A request allocates
+    thousands of short-lived objects that reference counting frees; at the default
+    threshold the collector ran several times per request and its full passes showed up
+    as p99 stalls."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 20, 20)
+
+
+class _WorkerHeader:
+    """ASGI wrapper adding `X-Pdgate-Worker: <index>` to every HTTP response."""
+
+    def __init__(self, app: Any, index: int) -> None:
+        self._app = app
+        self._header = (b"x-pdgate-worker", str(index).encode())
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+
+        async def add_header(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self._header]}
+            await send(message)
+
+        await self._app(scope, receive, add_header)

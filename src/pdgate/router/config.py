@@ -1,0 +1,388 @@
+"""Router settings: one frozen struct, strictly decoded, validated once at startup.
+
+Sources, later wins: struct defaults < `--config` YAML file < command-line flags. The YAML
+file uses the same field names as this struct (flags spell them with dashes). Unknown
+fields are an error naming the field, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import msgspec
+
+__all__ = [
+    "ConfigError",
+    "PolicySpec",
+    "RouterConfig",
+    "engine_url_problem",
+    "load_config",
+    "validate_config",
+]
+
+MIB = 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """A setting is missing, unknown or out of range; the message names the field."""
+
+
+class PolicySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """A routing policy as configured: its registered `type`, an optional display `name`,
+    and `params` that the policy itself decodes (see `router.policies`)."""
+
+    type: str
+    name: str | None = None
+    params: dict[str, Any] = {}
+
+
+class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """Everything one router process needs. Times are seconds, sizes bytes.
+
+    `prefill` / `decode` are engine base URLs (`http://host:port`, no `/v1`).
+    `model` is the tokenizer source and the default served name; `served_model_name`
+    lists the names `/v1/models` reports and requests may ask for.
+    """
+
+    model: str
+    prefill: list[str] = []
+    decode: list[str] = []
+    served_model_name: list[str] = []
+    # The name engines know the model by; requests for another served name are rewritten to
+    # it, so aliases work with engines that serve one name.
+    engine_model_name: str | None = None
+    tokenizer: str | None = None
+    max_model_len: int | None = None
+    pd_mode: Literal["pull", "notify", "push"] = "pull"
+    prefill_policy: str | PolicySpec = "round-robin"
+    decode_policy: str | PolicySpec = "least-inflight"
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # Router processes sharing `port` (SO_REUSEPORT), each with its own engine session,
+    # health checks, breakers and KV-ready proxy; admission limits are split between them
+    # (router/http/workers.py).
+    workers: int = 1
+    connect_timeout_s: float = 5.0
+    prefill_timeout_s: float = 300.0
+    decode_first_byte_timeout_s: float = 300.0
+    decode_idle_timeout_s: float = 60.0
+    health_interval_s: float = 5.0
+    # A request arriving before any engine pair was ever healthy (router just started) waits
+    # up to this long for one instead of failing at once.
+    startup_wait_s: float = 10.0
+    health_timeout_s: float = 2.0
+    max_connections: int = 1024
+    engine_keepalive_s: float = 4.0
+    max_body_bytes: int = 4 * MIB
+    shutdown_timeout_s: float = 10.0
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    log_format: Literal["text", "json"] = "text"  # router/logs.py
+    otlp_traces_endpoint: str | None = None  # router/tracing.py (also OTEL_* env)
+    # Engine discovery: `static` uses only `prefill`/`decode`; `k8s` also watches pods
+    # matching the selectors (label selector syntax) and routes to the ready ones.
+    discovery: Literal["static", "k8s"] = "static"
+    namespace: str | None = None
+    prefill_selector: str = ""
+    decode_selector: str = ""
+    prefill_port: int = 8000
+    decode_port: int = 8000
+    engine_scheme: Literal["http", "https"] = "http"
+    k8s_api_url: str | None = None
+    # Routing: engines' KV block size (prefix hashing), the prefix index bound,
+    # engines' KV-events endpoints (`ENGINE_URL=tcp://host:port`), selective disaggregation.
+    prefix_block_size: int = 16
+    prefix_index_max_blocks: int = 1_000_000
+    kv_events: list[str] = []
+    disagg_min_tokens: int = 0
+    disagg_prefix_ratio: float | None = None
+    # KV-ready proxy (notify mode): the zmq PULL endpoint this router binds (port 0:
+    # any free port), the host engines should connect to when it binds a wildcard, the HMAC
+    # secret engines sign with, and how long a request waits for its KV.
+    notify_bind: str = "tcp://127.0.0.1:0"
+    notify_advertise_host: str | None = None
+    notify_secret: str | None = None
+    kv_ready_timeout_s: float = 30.0
+    # The embedded proxy's table: unclaimed early notices and never-awaited waiters live
+    # this long; the reaper runs this often.
+    notify_ttl_s: float = 60.0
+    notify_reap_interval_s: float = 1.0
+    # Stream P's first token to the client as soon as P answers (router/flows/early_token.py;
+    # pull: router/flows/pull_early.py).
+    early_first_token: bool = True
+    # Resilience. Admission: requests served at once, requests waiting for a slot
+    # (beyond both: 429), and how long one may wait. Secrets: Bearer keys for the OpenAI
+    # routes and for /admin (admin routes exist only when `admin_api_key` is set).
+    max_concurrent_requests: int = 1024
+    max_queued_requests: int = 1024
+    queue_timeout_s: float = 30.0
+    api_key: str | None = None
+    api_keys: list[str] = []
+    admin_api_key: str | None = None
+    # Sent as `Authorization: Bearer` on every engine call (shim `--api-key`, vLLM
+    # `--api-key`): engines then serve only this router, not whoever reaches their port.
+    engine_api_key: str | None = None
+    # Health: probe verdicts need this many failures / successes in a row; this many errors
+    # in a row on real requests open an engine's circuit breaker for `breaker_open_s`.
+    health_failure_threshold: int = 2
+    health_success_threshold: int = 1
+    eject_consecutive_errors: int = 3
+    breaker_open_s: float = 10.0
+    # Failover: extra attempts per leg on other engines, base of the jittered backoff
+    # between attempts, and the deadline of the best-effort KV abort sent to P.
+    max_retries: int = 1
+    retry_backoff_s: float = 0.02
+    kv_abort_timeout_s: float = 2.0
+    # Hostile input (router/input/limits.py): request parsing bounds, client-supplied chat
+    # templates (off unless allowed; rendered sandboxed, off the event loop, with a budget),
+    # client-side deadlines (headers, body, slow SSE readers) and engine reply bounds.
+    max_json_depth: int = 32
+    max_messages: int = 2048
+    # "auto": tokenize prompts only when a policy, the decider or the flow needs the tokens
+    # (engines check the context length); "always": also to refuse what cannot fit and to
+    # render chat templates in the router's sandbox before any engine sees them.
+    tokenize_prompts: Literal["auto", "always"] = "auto"
+    allow_client_chat_template: bool = False
+    chat_template_timeout_s: float = 2.0
+    chat_template_max_output_chars: int = 4 * MIB
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    body_chunk_timeout_s: float = 10.0
+    stream_write_timeout_s: float = 30.0
+    max_engine_reply_bytes: int = 64 * MIB
+    max_sse_line_bytes: int = 4 * MIB
+
+    @property
+    def served_names(self) -> list[str]:
+        """Names clients may put in `model` (defaults to `[model]`)."""
+        return list(self.served_model_name) or [self.model]
+
+    @property
+    def engine_model(self) -> str:
+        """The `model` engines receive (default: the first served name, as vLLM's
+        `--served-model-name` treats its first entry)."""
+        return self.engine_model_name or self.served_names[0]
+
+    @property
+    def client_api_keys(self) -> list[str]:
+        """Every key accepted on `/v1/*`: `api_key` plus `api_keys` (empty: open)."""
+        keys = [self.api_key] if self.api_key else []
+        return keys + [k for k in self.api_keys if k not in keys]
+
+    @property
+    def tokenizer_source(self) -> str:
+        """Path or hub name the tokenizer loads from (defaults to `model`)."""
+        return self.tokenizer or self.model
+
+
+_POSITIVE = (
+    "connect_timeout_s",
+    "prefill_timeout_s",
+    "decode_first_byte_timeout_s",
+    "decode_idle_timeout_s",
+    "health_interval_s",
+    "startup_wait_s",
+    "health_timeout_s",
+    "max_connections",
+    "max_body_bytes",
+    "prefix_block_size",
+    "prefix_index_max_blocks",
+    "kv_ready_timeout_s",
+    "notify_ttl_s",
+    "notify_reap_interval_s",
+    "max_concurrent_requests",
+    "workers",
+    "queue_timeout_s",
+    "health_failure_threshold",
+    "health_success_threshold",
+    "eject_consecutive_errors",
+    "breaker_open_s",
+    "kv_abort_timeout_s",
+    "max_json_depth",
+    "max_messages",
+    "chat_template_timeout_s",
+    "chat_template_max_output_chars",
+    "header_timeout_s",
+    "body_timeout_s",
+    "body_chunk_timeout_s",
+    "stream_write_timeout_s",
+    "max_engine_reply_bytes",
+    "max_sse_line_bytes",
+)
+
+
+def validate_config(config: RouterConfig, policy_names: frozenset[str]) -> RouterConfig:
+    """Check cross-field rules the struct types cannot express; return `config` unchanged.
+
+    `policy_names` is the set of registered policy types (passed in so this module does not
+    import the policies). Raises `ConfigError` naming the offending field.
+    """
+    _validate_discovery(config)
+    _validate_routing(config)
+    _validate_notify(config)
+    _validate_resilience(config)
+    for field in ("prefill", "decode"):
+        for url in getattr(config, field):
+            if not url.startswith(("http://", "https://")):
+                raise ConfigError(f"{field}: {url!r} is not an http(s):// URL")
+            if (problem := engine_url_problem(url)) is not None:
+                raise ConfigError(f"{field}: {problem}")
+    for field in ("prefill_policy", "decode_policy"):
+        spec = getattr(config, field)
+        name = spec if isinstance(spec, str) else spec.type
+        if name not in policy_names:
+            known = ", ".join(sorted(policy_names))
+            raise ConfigError(f"{field}: unknown policy {name!r} (known: {known})")
+    for field in _POSITIVE:
+        if getattr(config, field) <= 0:
+            raise ConfigError(f"{field}: must be > 0")
+    if config.max_model_len is not None and config.max_model_len <= 0:
+        raise ConfigError("max_model_len: must be > 0")
+    for field in ("port", "prefill_port", "decode_port"):
+        if not 0 <= getattr(config, field) <= 65535:
+            raise ConfigError(f"{field}: must be in 0..65535")
+    return config
+
+
+def engine_url_problem(url: str) -> str | None:
+    """Why `url` is not a usable engine base URL, or None when it is: http(s) only, a host,
+    a valid port, no credentials (they would reach logs and metric labels), no path, query
+    or fragment. Used for static URLs here and by the admin API."""
+    if not url.strip().isascii() or not url.strip().isprintable() or " " in url.strip():
+        return "engine URL must be printable ASCII without spaces"
+    try:
+        parts = urlsplit(url.strip())
+        parts.port  # noqa: B018 -- raises ValueError when out of range or not a number
+    except ValueError:
+        return "invalid engine URL (bad port?)"
+    if parts.scheme not in ("http", "https"):
+        return "engine URL must start with http:// or https://"
+    if not parts.hostname:
+        return "engine URL needs a host"
+    if not _valid_host(parts.hostname):
+        return f"engine URL host {parts.hostname!r} is not a DNS name or IP address"
+    if parts.username is not None or parts.password is not None:
+        return "engine URL must not carry credentials"
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        return "engine URL is a base URL: no path, query or fragment"
+    return None
+
+
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+
+
+def _valid_host(host: str) -> bool:
+    # urlsplit accepts spaces and control characters in the host; aiohttp would then fail
+    # every request to it, so such an engine must never enter the pool.
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        pass
+    labels = host.rstrip(".").split(".")
+    return len(host) <= 253 and all(_DNS_LABEL.fullmatch(label) for label in labels)
+
+
+def _validate_resilience(config: RouterConfig) -> None:
+    for field in ("max_queued_requests", "max_retries"):
+        if getattr(config, field) < 0:
+            raise ConfigError(f"{field}: must be >= 0")
+    if config.retry_backoff_s < 0:
+        raise ConfigError("retry_backoff_s: must be >= 0")
+    for field in ("api_key", "admin_api_key", "engine_api_key"):
+        key = getattr(config, field)
+        if key is not None and len(key) < 8:
+            raise ConfigError(f"{field}: use at least 8 characters")
+    for key in config.api_keys:
+        if len(key) < 8:
+            raise ConfigError("api_keys: use at least 8 characters per key")
+
+
+def _validate_notify(config: RouterConfig) -> None:
+    if "://" not in config.notify_bind:
+        raise ConfigError(f"notify_bind: {config.notify_bind!r} is not a zmq endpoint "
+                          "(e.g. tcp://0.0.0.0:7500)")
+    if config.notify_secret is not None and len(config.notify_secret) < 16:
+        raise ConfigError("notify_secret: use at least 16 characters")
+
+
+def _validate_routing(config: RouterConfig) -> None:
+    if config.disagg_min_tokens < 0:
+        raise ConfigError("disagg_min_tokens: must be >= 0")
+    ratio = config.disagg_prefix_ratio
+    if ratio is not None and not 0 < ratio <= 1:
+        raise ConfigError("disagg_prefix_ratio: must be in (0, 1]")
+    for entry in config.kv_events:
+        url, sep, endpoint = entry.rpartition("=")
+        if not sep or not url.startswith(("http://", "https://")) or "://" not in endpoint:
+            raise ConfigError(
+                f"kv_events: {entry!r} is not ENGINE_URL=ENDPOINT "
+                "(e.g. http://10.0.0.1:8100=tcp://10.0.0.1:5557)"
+            )
+
+
+def _validate_discovery(config: RouterConfig) -> None:
+    if config.discovery == "k8s":
+        # Static URLs may be given too (e.g. an engine outside the cluster).
+        for field in ("prefill_selector", "decode_selector"):
+            if not getattr(config, field).strip():
+                raise ConfigError(f"{field}: a label selector is required with discovery k8s")
+        if config.k8s_api_url is not None and not config.k8s_api_url.startswith(
+            ("http://", "https://")
+        ):
+            raise ConfigError(f"k8s_api_url: {config.k8s_api_url!r} is not an http(s):// URL")
+        return
+    if not config.prefill:
+        raise ConfigError("prefill: at least one prefill engine URL is required")
+    if not config.decode:
+        raise ConfigError("decode: at least one decode engine URL is required")
+
+
+def load_config(
+    yaml_path: str | Path | None = None, overrides: Mapping[str, Any] | None = None
+) -> RouterConfig:
+    """Build a `RouterConfig` from an optional YAML file plus `overrides` (flag values).
+
+    Decoding is strict: an unknown or mistyped field raises `ConfigError` with its name.
+    Cross-field validation is `validate_config`'s job.
+    """
+    raw: dict[str, Any] = {}
+    if yaml_path is not None:
+        raw.update(_read_yaml(Path(yaml_path)))
+    raw.update(overrides or {})
+    try:
+        return msgspec.convert(raw, RouterConfig)
+    except msgspec.ValidationError as exc:
+        source = f"{yaml_path}: " if yaml_path is not None else ""
+        raise ConfigError(f"{source}{_name_the_setting(str(exc))}") from None
+
+
+def _name_the_setting(message: str) -> str:
+    """msgspec's message with the setting named as a user gives it: the flag, the YAML key
+    and the environment variable (`Object missing required field `model``, `... - at `$.port``)."""
+    missing = re.fullmatch(r"Object missing required field `(\w+)`", message)
+    field = missing.group(1) if missing else None
+    if field is None and (at := re.search(r" - at `\$\.(\w+)`", message)):
+        field = at.group(1)
+    if field is None:
+        return message
+    names = f"--{field.replace('_', '-')} (YAML `{field}`, env PDGATE_{field.upper()})"
+    if missing:
+        return f"missing required setting {names}"
+    return f"{names}: {message[:message.index(' - at ')]}"
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = msgspec.yaml.decode(path.read_bytes())
+    except (OSError, msgspec.DecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of field names")
+    return data

@@ -1,0 +1,170 @@
+"""Where a push-mode decode leg gets its prefill engine's NIXL identity, per engine.
+
+In push mode D registers the prompt's blocks with P over NIXL, so D's leg must name P:
+engine id, side channel (host, port) and, for vLLM, P's parallel layout (`tp_size`,
+`pp_size`). Two kinds of prefill engine serve `--pd-mode push`:
+
+- pdgate's engine shim answers `POST /v1/kv/info` (cached per URL by `KVInfoCache`).
+- vLLM with `NixlPushConnector` has no such route (404). Its identity is in the
+  `kv_transfer_params` of each of its prefill answers (`remote_engine_id`, `remote_host`,
+  `remote_port`, `tp_size`, `pp_size`, `transfer_mode: "push"`). The first request to
+  such an engine runs its legs one after the other (P first, D with the identity P
+  answered: P WRITEs once D registers, in either order, so nothing leaks), and later ones
+  send both legs at once with the cached identity. Every answer is compared with the
+  cache: an engine restarted under another engine id is re-learnt from its first answer,
+  and a decode failure forgets the identity (the next request learns it again).
+  A vLLM engine that answers `transfer_mode: "pull"` (the plain `NixlConnector`) is
+  remembered as such; its requests run the pull flow.
+
+vLLM matches D's registration to P's prefill by request id with its random suffix
+stripped, so both legs must carry the same `X-Request-Id` (the router sends its own id on
+both legs, router/request_ids.py).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+import msgspec
+
+from pdgate.router.errors import EngineRejected
+from pdgate.router.flows.bodies import remote_prefill
+from pdgate.router.flows.common import KVInfoCache
+from pdgate.router.input.schema import ClientRequest
+from pdgate.router.pool import Endpoint
+
+__all__ = ["Learned", "PushPeers", "ShimPeer", "VllmIdentity", "VllmPeer",
+           "vllm_request_id"]
+
+
+class VllmIdentity(msgspec.Struct, frozen=True):
+    """What a vLLM decode engine needs to find a NixlPushConnector prefill engine."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int = 1
+    pp_size: int = 1
+
+    @classmethod
+    def of_answer(cls, params: Any) -> VllmIdentity | None:
+        """The identity in a prefill answer's `kv_transfer_params`; None unless it is a
+        well-formed push answer."""
+        if not isinstance(params, Mapping) or params.get("transfer_mode") != "push":
+            return None
+        engine_id, host, port = (params.get("remote_engine_id"), params.get("remote_host"),
+                                 params.get("remote_port"))
+        tp, pp = params.get("tp_size", 1), params.get("pp_size", 1)
+        if not (isinstance(engine_id, str) and isinstance(host, str) and _count(port)
+                and _count(tp) and _count(pp)):
+            return None
+        return cls(engine_id, host, port, tp, pp)
+
+    def decode_params(self, remote_request_id: str) -> dict[str, Any]:
+        """D's `kv_transfer_params`: "P pushes this prompt's KV" (no `remote_block_ids`: D
+        allocates its blocks and registers them with P)."""
+        return remote_prefill({
+            "remote_engine_id": self.engine_id, "remote_host": self.host,
+            "remote_port": self.port, "tp_size": self.tp_size, "pp_size": self.pp_size,
+            "remote_request_id": remote_request_id,
+        })
+
+
+def _count(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def vllm_request_id(req: ClientRequest) -> str:
+    """The id P's vLLM gives this request before its random suffix (D names it as
+    `remote_request_id`; vLLM uses it only for lease heartbeats). vLLM builds it from the
+    `X-Request-Id` header: `cmpl-<id>-<prompt index>` or `chatcmpl-<id>`."""
+    if req.kind == "chat":
+        return f"chatcmpl-{req.request_id}"
+    return f"cmpl-{req.request_id}-0"
+
+
+@dataclass(frozen=True, slots=True)
+class ShimPeer:
+    """A shim prefill engine: its `POST /v1/kv/info` answer."""
+
+    info: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class VllmPeer:
+    """A vLLM prefill engine; `identity` None: not learnt yet (run the legs in turn)."""
+
+    identity: VllmIdentity | None
+
+
+class Learned(enum.Enum):
+    """What a vLLM prefill answer says about its engine, against the identity D was given."""
+
+    SAME = "same"  # a push answer naming the identity D has: P pushes to it
+    CHANGED = "changed"  # a push answer naming another identity (now cached)
+    PULL = "pull"  # a pull-mode answer (plain NixlConnector): D must READ instead
+    NONE = "none"  # no usable KV params: D computes the prompt itself
+
+
+class PushPeers:
+    """Each prefill engine's kind and identity, by URL. One per push flow (the app's)."""
+
+    def __init__(self, info: KVInfoCache) -> None:
+        self._info = info
+        self._vllm: dict[str, VllmIdentity | None] = {}  # URL -> identity; None: unknown
+        self._pull: set[str] = set()  # URLs that answered as pull-mode engines
+
+    def pull_only(self, ep: Endpoint) -> bool:
+        """True once `ep` answered as a pull-mode vLLM engine (its requests run pull)."""
+        return ep.url in self._pull
+
+    async def get(self, ep: Endpoint, headers: Mapping[str, str]) -> ShimPeer | VllmPeer:
+        """`ep`'s kind and what is known of its identity. Raises what `/v1/kv/info` raised,
+        except its 404 (a vLLM engine)."""
+        if ep.url in self._vllm:
+            return VllmPeer(self._vllm[ep.url])
+        try:
+            return ShimPeer(await self._info.get(ep, headers))
+        except EngineRejected as exc:
+            if exc.status != 404:
+                raise
+        self._vllm[ep.url] = None
+        return VllmPeer(None)
+
+    def learn(self, ep: Endpoint, params: Any, sent: VllmIdentity | None) -> Learned:
+        """Read P's answer: cache the identity it names and say how it compares with
+        `sent` (what D's leg named; None: D's leg is not out yet)."""
+        identity = VllmIdentity.of_answer(params)
+        if identity is not None:
+            self._vllm[ep.url] = identity
+            self._pull.discard(ep.url)
+            return Learned.SAME if identity == sent else Learned.CHANGED
+        if isinstance(params, Mapping) and params.get("remote_block_ids") is not None:
+            self._pull.add(ep.url)
+            return Learned.PULL
+        return Learned.NONE
+
+    def answer(self, ep: Endpoint, params: Any, sent: VllmIdentity | None,
+               req: ClientRequest) -> tuple[Learned, dict[str, Any] | None]:
+        """`learn` from P's answer to `req`, plus the decode params D needs unless it is
+        `SAME`: P's identity (`CHANGED`; `remote_request_id` as P answered it), P's own
+        params (`PULL`: D READs) or None (`NONE`: D computes the prompt)."""
+        learned = self.learn(ep, params, sent)
+        if learned is Learned.CHANGED:
+            identity = self._vllm[ep.url]
+            assert identity is not None
+            rid = params.get("remote_request_id")
+            return learned, identity.decode_params(
+                rid if isinstance(rid, str) else vllm_request_id(req))
+        if learned is Learned.PULL:
+            return learned, dict(params)
+        return learned, None
+
+    def forget(self, ep: Endpoint) -> None:
+        """Drop `ep`'s identity (a decode leg that named it failed): the next request
+        learns it again from P's answer."""
+        if ep.url in self._vllm:
+            self._vllm[ep.url] = None

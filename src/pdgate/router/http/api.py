@@ -1,0 +1,338 @@
+"""HTTP handlers: read and validate the request, call the orchestrator, map errors.
+
+Handlers are plain Starlette routes taking a `Request` (no FastAPI dependency solving or
+pydantic models on the hot path); bodies are decoded with msgspec. Every error a client can
+cause comes back as a 4xx with an OpenAI-style body, never a 500.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio.to_thread
+import msgspec
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from pdgate.router import request_context
+from pdgate.router.admission import Admission
+from pdgate.router.config import RouterConfig
+from pdgate.router.errors import (
+    InvalidRequest,
+    ModelNotFound,
+    Overloaded,
+    RouterError,
+    error_json,
+)
+from pdgate.router.http.client_deadlines import header_value, read_body_within
+from pdgate.router.http.relay_response import DisconnectWatch, RelayResponse
+from pdgate.router.input.limits import InputLimits
+from pdgate.router.input.schema import ClientRequest, classify_prompt, parse_chat, parse_completion
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.orchestrator import Orchestrator, StreamResult
+from pdgate.router.pool import EndpointPool
+from pdgate.router.request_ids import InternalIds, client_request_id
+from pdgate.router.tracing import span
+
+__all__ = ["RouterState", "StateHolder", "install_error_handlers", "install_routes"]
+
+log = logging.getLogger(__name__)
+_json = msgspec.json.Encoder().encode
+_TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+_TRACESTATE_MAX = 512  # W3C: at most 32 members; vendors cap the header near 512 bytes
+
+
+def _valid_tracestate(value: str) -> bool:
+    return len(value) <= _TRACESTATE_MAX and value.isascii() and value.isprintable()
+
+
+# Forwarded to engines only when well-formed: a client's oversized or malformed header must
+# never make an engine refuse the leg (that would count against the engine's breaker).
+_TRACE_HEADERS: tuple[tuple[str, bytes, Callable[[str], bool]], ...] = (
+    ("traceparent", b"traceparent", lambda v: _TRACEPARENT.fullmatch(v) is not None),
+    ("tracestate", b"tracestate", _valid_tracestate),
+)
+_INLINE_PARSE_BYTES = 256 * 1024
+
+
+@dataclass(frozen=True)
+class RouterState:
+    """Everything the handlers use, built by the app's lifespan."""
+
+    config: RouterConfig
+    metrics: RouterMetrics
+    registry: CollectorRegistry
+    pool: EndpointPool
+    orchestrator: Orchestrator
+    started_at: int
+    admission: Admission | None = None  # None: no admission control (tests, benches)
+    limits: InputLimits = field(default_factory=InputLimits)  # request parsing bounds
+
+
+class StateHolder:
+    """Gives handlers typed access to the state the lifespan builds (set while serving)."""
+
+    def __init__(self) -> None:
+        self._state: RouterState | None = None
+
+    def set(self, state: RouterState | None) -> None:
+        self._state = state
+
+    @property
+    def state(self) -> RouterState:
+        if self._state is None:
+            raise RuntimeError("router state used outside the app lifespan")
+        return self._state
+
+
+def error_response(exc: RouterError, request_id: str | None = None) -> Response:
+    """The OpenAI-style JSON error response for `exc` (429s carry `Retry-After`)."""
+    headers = {"X-Request-Id": request_id} if request_id else {}
+    if isinstance(exc, Overloaded):
+        headers["Retry-After"] = str(exc.retry_after_s)
+    return Response(error_json(exc), exc.status, headers or None, "application/json")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready; the work was cancelled."""
+
+
+async def until_disconnected(
+    request: Request, work: Awaitable[bytes | StreamResult]
+) -> bytes | StreamResult:
+    """Await `work`, but cancel it (and so its engine legs) and raise `ClientGone` when the
+    client disconnects first. Call only after the request body was read: from then on the
+    ASGI receive channel yields nothing but the disconnect.
+
+    `work` runs in the caller's task (one watcher task per request, no task per leg
+    set and no `asyncio.wait`): the watcher cancels the caller when the client leaves."""
+    watch = DisconnectWatch(request.scope, request.receive)
+    try:
+        result = await work
+    except asyncio.CancelledError:
+        if not watch.fired:
+            raise
+        watch.uncancel()  # the legs have unwound (the orchestrator freed P's blocks)
+        raise ClientGone from None
+    finally:
+        watch.stop()
+    if watch.fired:  # the work swallowed the cancel and finished anyway: release it
+        watch.uncancel()
+        if isinstance(result, StreamResult):
+            await result.chunks.aclose()
+            result.close()
+        raise ClientGone
+    return result
+
+
+def build_request(
+    kind: str, raw: bytes, request: Request, request_id: str, served: list[str],
+    client_id: str | None = None, limits: InputLimits | None = None,
+    engine_model: str | None = None,
+) -> ClientRequest:
+    """Validate `raw` into a `ClientRequest` (raises `RouterError` subclasses).
+
+    `request_id` is the router's internal id (router/request_ids.py): the only id engines
+    see. `client_id` is the client's sanitised `X-Request-Id`, kept for logs. A served alias
+    is rewritten to `engine_model`, the name engines know."""
+    if kind == "chat":
+        body, chat = parse_chat(raw, limits)
+        req = ClientRequest("chat", "/v1/chat/completions", body, chat, request_id, {})
+    else:
+        body, comp = parse_completion(raw, limits)
+        req = ClientRequest("completion", "/v1/completions", body, comp, request_id, {})
+        req.prompt, req.batch = classify_prompt(comp.prompt)
+    model = req.params.model
+    if model is not None and model not in served:
+        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+    if model is not None and engine_model is not None and model != engine_model:
+        req.body["model"] = engine_model
+    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+    for name, raw_name, valid in _TRACE_HEADERS:
+        if (value := header_value(request.scope, raw_name)) is not None and valid(value):
+            headers[name] = value
+    req.engine_headers = headers
+    req.client_headers = request.headers
+    req.client_request_id = client_id
+    return req
+
+
+def _completion_handler(
+    holder: StateHolder, kind: str, route: str
+) -> Callable[[Request], Awaitable[Response]]:
+    internal_ids = InternalIds()
+
+    async def handler(request: Request) -> Response:
+        st = holder.state
+        t0 = time.perf_counter()
+        ids = _Ids(internal_ids.new(),
+                   client_request_id(header_value(request.scope, b"x-request-id")))
+        request_context.bind_ids(ids.internal, ids.client)  # for log lines and access line
+        cfg = st.config
+        try:
+            # The body first, under its deadlines: a client trickling its upload must not
+            # hold an admission slot (those are for work the engines do).
+            raw = await read_body_within(request, cfg.max_body_bytes, cfg.body_timeout_s,
+                                         cfg.body_chunk_timeout_s)
+            slot = None
+            if st.admission:
+                with span("admission_wait"):
+                    slot = await st.admission.acquire()
+        except RouterError as exc:
+            if isinstance(exc, Overloaded):
+                st.metrics.child(st.metrics.admission_rejected, exc.reason).inc()
+            _count(st, route, exc.status, t0)
+            return error_response(exc, ids.echo)
+        response = await serve(request, raw, st, t0, ids)
+        if slot is not None:
+            if isinstance(response, RelayResponse):
+                response.on_close(slot.release)
+            else:
+                slot.release()
+        return response
+
+    async def serve(
+        request: Request, raw: bytes, st: RouterState, t0: float, ids: _Ids
+    ) -> Response:
+        try:
+            args = (kind, raw, request, ids.internal, st.config.served_names, ids.client,
+                    st.limits, st.config.engine_model)
+            # A megabyte body takes msgspec tens of ms to decode: not on the event loop.
+            req = build_request(*args) if len(raw) <= _INLINE_PARSE_BYTES else \
+                await anyio.to_thread.run_sync(build_request, *args)
+            # Only while the router starts: engines probed every 0.2 s until ready.
+            await st.pool.wait_first_ready(st.config.startup_wait_s)
+            result = await until_disconnected(request, st.orchestrator.handle(req))
+        except RouterError as exc:
+            _count(st, route, exc.status, t0)
+            return error_response(exc, ids.echo)
+        except ClientGone:
+            _count(st, route, 499, t0)  # nginx's "client closed request"; nobody reads it
+            return Response(b"", 499)
+        except Exception:  # a bug: log it, answer like an engine would, keep serving
+            log.exception("request %s (client id %s) failed", ids.internal, ids.client)
+            _count(st, route, 500, t0)
+            return error_response(RouterError("internal router error"), ids.echo)
+        # X-Pdgate-Request-Id: the id engines logged this request under (for operators).
+        headers = {"X-Request-Id": ids.echo, "X-Pdgate-Request-Id": ids.internal,
+                   **_engine_headers(req)}
+        if (record := request_context.current()) is not None:
+            record.engines.update(req.served_by)  # the engines the headers name
+        if isinstance(result, bytes):
+            _count(st, route, 200, t0)
+            return Response(result, 200, headers, "application/json")
+        st.metrics.child(st.metrics.requests, route, "200").inc()
+        duration = st.metrics.child(st.metrics.request_duration, route)
+        done = lambda: duration.observe(time.perf_counter() - t0)  # noqa: E731
+        return RelayResponse(result, headers, done,
+                             st.config.stream_write_timeout_s)
+
+    return handler
+
+
+@dataclass(frozen=True, slots=True)
+class _Ids:
+    internal: str  # engines' key
+    client: str | None  # the client's sanitised X-Request-Id
+
+    @property
+    def echo(self) -> str:
+        """The response's X-Request-Id: the client's own id, else ours."""
+        return self.client or self.internal
+
+
+def _engine_headers(req: ClientRequest) -> dict[str, str]:
+    # Which engines served the legs: cheap to add, and what an operator asks first.
+    return {f"X-Pdgate-{role.capitalize()}-Engine": url for role, url in req.served_by.items()}
+
+
+def _count(st: RouterState, route: str, status: int, t0: float) -> None:
+    m = st.metrics
+    m.child(m.requests, route, str(status)).inc()
+    m.child(m.request_duration, route).observe(time.perf_counter() - t0)
+
+
+def _json_response(obj: Any, status: int = 200) -> Response:
+    return Response(_json(obj), status, media_type="application/json")
+
+
+def install_routes(
+    app: FastAPI, holder: StateHolder
+) -> dict[str, Callable[[Request], Awaitable[Response]]]:
+    """Register the OpenAI routes and the operational endpoints on `app`; returns the
+    completion handlers by path (POST), for the app's fast path (router/http/fast_routes.py)."""
+    completions = {path: _completion_handler(holder, kind, path) for path, kind in (
+        ("/v1/completions", "completion"), ("/v1/chat/completions", "chat"))}
+    for path, handler in completions.items():
+        app.router.add_route(path, handler, methods=["POST"])
+
+    def model_card(name: str) -> dict[str, object]:
+        return {"id": name, "object": "model", "created": holder.state.started_at,
+                "owned_by": "pdgate"}
+
+    async def models(request: Request) -> Response:
+        data = [model_card(name) for name in holder.state.config.served_names]
+        return _json_response({"object": "list", "data": data})
+
+    async def model(request: Request) -> Response:
+        name = request.path_params["model"]
+        if name not in holder.state.config.served_names:
+            return error_response(ModelNotFound(f"The model `{name}` does not exist.",
+                                                param="model"))
+        return _json_response(model_card(name))
+
+    async def health(request: Request) -> Response:
+        return _json_response({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        pool = holder.state.pool
+        body = {
+            "prefill_healthy": len(pool.healthy("prefill")),
+            "decode_healthy": len(pool.healthy("decode")),
+        }
+        if pool.ready():
+            return _json_response({"status": "ready", **body})
+        return _json_response({"status": "not ready", **body}, 503)
+
+    async def metrics(request: Request) -> Response:
+        return Response(generate_latest(holder.state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app.router.add_route("/v1/models", models, methods=["GET"])
+    # `:path`: served names may hold slashes ("org/model"), as vLLM's do.
+    app.router.add_route("/v1/models/{model:path}", model, methods=["GET"])
+    app.router.add_route("/health", health, methods=["GET"])
+    app.router.add_route("/ready", ready, methods=["GET"])
+    app.router.add_route("/metrics", metrics, methods=["GET"])
+    return completions
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Map framework errors (validation, unknown route, bad method) to OpenAI error bodies."""
+
+    async def on_validation(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RequestValidationError)
+        errors = exc.errors()
+        loc = errors[0].get("loc", ()) if errors else ()
+        param = str(loc[-1]) if loc else None
+        return error_response(InvalidRequest(f"invalid request: {errors}", param=param))
+
+    async def on_http(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        err = RouterError(str(exc.detail))
+        err.status = exc.status_code
+        err.type = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
+        err.code = None
+        return error_response(err)
+
+    app.add_exception_handler(RequestValidationError, on_validation)
+    app.add_exception_handler(HTTPException, on_http)

@@ -1,0 +1,213 @@
+"""The router app factory: everything is built here or in the lifespan and passed in, no globals.
+
+`create_app(config)` validates the config at once (bad settings fail before serving);
+the tokenizer is loaded there too, only if something configured reads prompt tokens
+(router/input/tokenizer_setup.py). The lifespan then builds, in order, metrics → engine client
+(one pool of keep-alive connections) → endpoint pool (first health round) → health-check task →
+orchestrator, and tears them down in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+from starlette.types import ASGIApp
+
+from pdgate.router.aborts import Aborter
+from pdgate.router.admission import Admission
+from pdgate.router.config import RouterConfig, validate_config
+from pdgate.router.discovery import KubernetesDiscovery
+from pdgate.router.engines.client import EngineClient
+from pdgate.router.errors import RouterError
+from pdgate.router.flows.base import FlowParts
+from pdgate.router.flows.setup import open_flows
+from pdgate.router.health import HealthSettings
+from pdgate.router.http.access_log import AccessLogMiddleware
+from pdgate.router.http.admin import install_admin_routes
+from pdgate.router.http.api import RouterState, StateHolder, install_error_handlers, install_routes
+from pdgate.router.http.auth import AuthMiddleware
+from pdgate.router.http.dashboard import install_dashboard
+from pdgate.router.http.fast_routes import FastRoutes, endpoint_app
+from pdgate.router.input.limits import InputLimits
+from pdgate.router.input.tokenization import PromptTokenizer
+from pdgate.router.input.tokenizer_setup import log_no_tokenizer, open_tokenizer, token_readers
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.orchestrator import Orchestrator
+from pdgate.router.policies import POLICY_NAMES
+from pdgate.router.policies.setup import check_routing, open_routing
+from pdgate.router.pool import Endpoint, EndpointPool
+from pdgate.router.tracing import UNTRACED, TracingMiddleware, TracingSlot, finish_span
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+
+def create_app(
+    config: RouterConfig,
+    *,
+    registry: CollectorRegistry | None = None,
+    tokenizer: PromptTokenizer | None = None,
+) -> ASGIApp:
+    """Build the router ASGI app for `config`.
+
+    `registry`: where metrics go (default: a fresh registry per app, exposed at /metrics).
+    `tokenizer`: a preloaded tokenizer (tests share one); default loads
+    `config.tokenizer_source` here, when a configured feature reads prompt tokens.
+    Raises `ConfigError` for invalid settings or a needed tokenizer that cannot load.
+    """
+    validate_config(config, POLICY_NAMES)
+    check_routing(config)
+    readers = token_readers(config)
+    if tokenizer is None:
+        tokenizer = open_tokenizer(config, readers)
+    tracing = TracingSlot(config, os.environ)  # off unless configured (router/tracing.py)
+    holder = StateHolder()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with tracing.running(), _serving_state(
+                config, registry or RouterMetrics.registry(), tokenizer, bool(readers)) as st:
+            holder.set(st)
+            log.info("serving on the %s event loop", _loop_name())
+            sampler = asyncio.create_task(dashboard.sample_forever())  # its rate history
+            try:
+                yield
+            finally:
+                await _cancel(sampler)
+                holder.set(None)
+
+    app = FastAPI(
+        title="pdgate router", lifespan=lifespan, docs_url=None, redoc_url=None,
+        openapi_url=None,
+    )
+    completions = install_routes(app, holder)
+    dashboard = install_dashboard(app, holder)
+    if config.admin_api_key:
+        install_admin_routes(app, holder)
+    install_error_handlers(app)
+    middlewares = _middlewares(config, tracing)
+    for cls, options in middlewares:
+        app.add_middleware(cls, **options)
+    # The completion routes skip the framework's per-request stack (router/http/fast_routes.py)
+    # but pass the same middlewares.
+    fast: dict[str, ASGIApp] = {}
+    for path, handler in completions.items():
+        route = endpoint_app(handler)
+        for cls, options in middlewares:
+            route = cls(route, **options)
+        fast[path] = route
+    return FastRoutes(app, fast)
+
+
+def _loop_name() -> str:
+    """`uvloop` or `asyncio` (uvicorn picks uvloop when it is installed): benchmarks and
+    operators should see which one served, since the router's CPU per request depends on it."""
+    return type(asyncio.get_running_loop()).__module__.split(".")[0]
+
+
+def _middlewares(config: RouterConfig, tracing: TracingSlot) -> list[tuple[Any, dict[str, Any]]]:
+    """The router's pure-ASGI middlewares, innermost first: keys, tracing, access log
+    (outermost: it sees 401s)."""
+    found: list[tuple[Any, dict[str, Any]]] = []
+    if config.client_api_keys or config.admin_api_key:
+        found.append((AuthMiddleware, {"api_keys": config.client_api_keys,
+                                       "admin_api_key": config.admin_api_key}))
+    if tracing.enabled:
+        found.append((TracingMiddleware, {"tracing": tracing.get, "finish": finish_span,
+                                          "skip": UNTRACED}))
+    found.append((AccessLogMiddleware, {"pd_mode": config.pd_mode}))
+    return found
+
+
+@contextlib.asynccontextmanager
+async def _serving_state(
+    config: RouterConfig, registry: CollectorRegistry, tokenizer: PromptTokenizer | None,
+    tokenize_prompts: bool,
+) -> AsyncIterator[RouterState]:
+    metrics = RouterMetrics.create(registry)
+    limits = InputLimits.from_config(config)
+    if not tokenize_prompts:
+        log_no_tokenizer()
+    async with contextlib.AsyncExitStack() as stack:
+        if tokenizer is not None:
+            # This app's input limits (and max_model_len, also for a preloaded tokenizer).
+            tokenizer = tokenizer.with_limits(limits, config.max_model_len)
+            stack.push_async_callback(tokenizer.aclose)  # client-template worker processes
+        engines = EngineClient.create(config)
+        stack.push_async_callback(engines.close)
+        pool = EndpointPool(config.prefill, config.decode, metrics, health=HealthSettings(
+            config.health_failure_threshold, config.health_success_threshold,
+            config.eject_consecutive_errors, config.breaker_open_s,
+        ))
+
+        async def probe(ep: Endpoint) -> bool:
+            return await engines.health(ep.url)
+
+        engines.set_stream_listener(_breaker_feed(pool))
+
+        await pool.check_all(probe)
+        if config.discovery == "k8s":
+            await _start_discovery(config, pool, stack)
+        checker = asyncio.create_task(pool.run_health_checks(probe, config.health_interval_s))
+        stack.push_async_callback(_cancel, checker)
+        routing = await open_routing(config, pool, metrics, stack)
+        aborter = Aborter(engines, metrics, config.kv_abort_timeout_s)
+        stack.push_async_callback(aborter.aclose)  # waits for pending KV aborts, bounded
+        parts = FlowParts(pool, engines, {"prefill": routing.prefill, "decode": routing.decode},
+                          metrics, aborter, config.max_retries, config.retry_backoff_s)
+        pull, pd_flow = await open_flows(config, parts, registry, stack)
+        orchestrator = Orchestrator(tokenizer, metrics, pull, pd_flow, routing.decider,
+                                    tokenize_prompts=tokenize_prompts, limits=limits)
+        yield RouterState(config, metrics, registry, pool, orchestrator, int(time.time()),
+                          _admission(config, metrics), limits)
+
+
+def _breaker_feed(pool: EndpointPool) -> Callable[[str, RouterError | None], None]:
+    """How each decode stream ended, fed to that engine's breaker: a stream that breaks
+    after its first byte (reset, garbage, an overlong line) counts against its engine."""
+
+    def stream_ended(url: str, error: RouterError | None) -> None:
+        for ep in pool.endpoints("decode"):
+            if ep.url == url:
+                if error is None:
+                    ep.health.record_success()
+                else:
+                    ep.health.record_failure()
+
+    return stream_ended
+
+
+def _admission(config: RouterConfig, metrics: RouterMetrics) -> Admission:
+    def gauges(active: int, queued: int) -> None:
+        metrics.admission_active.set(active)
+        metrics.admission_queued.set(queued)
+
+    return Admission(config.max_concurrent_requests, config.max_queued_requests,
+                     config.queue_timeout_s, on_change=gauges,
+                     on_wait=metrics.observe_admission_wait)
+
+
+async def _start_discovery(
+    config: RouterConfig, pool: EndpointPool, stack: contextlib.AsyncExitStack
+) -> None:
+    # Serve even if the API server is slow: /ready answers 503 until engines show up.
+    discovery = await KubernetesDiscovery.open(config, pool, os.environ)
+    stack.push_async_callback(discovery.close)
+    stack.push_async_callback(_cancel, asyncio.create_task(discovery.run()))
+    if not await discovery.wait_synced(config.connect_timeout_s):
+        log.warning("pod discovery has not listed the engines yet; serving anyway")
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

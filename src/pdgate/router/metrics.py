@@ -1,0 +1,310 @@
+"""The router's Prometheus metrics (`pdgate_` prefix) on a registry owned by one app.
+
+`RouterMetrics.create(registry)` registers everything; nothing is module-global, so two apps
+in one process (tests) never collide. Callers record at the boundary: the API layer counts
+requests, the flows time legs and count decisions, the pool keeps the gauges, admission
+times the queue. Two helpers take whole facts so callers need no label bookkeeping:
+`observe_ttft(mode, arrival)` and `observe_usage(model, usage)`; `observe_answer(raw)` and
+`StreamUsage` find the usage in what the client got (a JSON answer, SSE lines).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+from prometheus_client import CollectorRegistry
+
+from pdgate.common.metrics_registry import NoCreatedRegistry
+from pdgate.router import request_context
+from pdgate.router.fast_metrics import (
+    CounterChild,
+    FastCounter,
+    FastGauge,
+    FastHistogram,
+    GaugeChild,
+    HistogramChild,
+    MetricFamily,
+)
+
+C = TypeVar("C", CounterChild, GaugeChild, HistogramChild)
+
+__all__ = ["NoCreatedRegistry", "RouterMetrics", "StreamUsage"]
+
+# Seconds. TTFT/prefill span sub-millisecond fakes to multi-second real prompts.
+_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+# A whole request: a long generation streams for many minutes, and one that lands in +Inf
+# makes every quantile above it unreadable. Up to four hours.
+_DURATION_BUCKETS = _LATENCY_BUCKETS + (120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0,
+                                        14400.0)
+# Waiting for an admission slot: zero when there is capacity, up to the queue timeout.
+_QUEUE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                  30.0, 60.0, 120.0, 300.0)
+_ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_DATA = b"data: "
+
+
+class _Answer(msgspec.Struct):
+    """The two fields of an OpenAI answer or stream chunk the token counters read: msgspec
+    skips the rest (choices, text) without building it."""
+
+    model: Any = None
+    usage: Any = None
+
+
+_decode_answer = msgspec.json.Decoder(_Answer).decode
+# What `_decode_answer` raises on bytes that are not a JSON object (ValidationError is a
+# DecodeError); RecursionError for nesting deeper than the interpreter allows.
+_NOT_AN_ANSWER = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+
+
+def _read_answer(raw: bytes) -> _Answer | None:
+    try:
+        answer = _decode_answer(raw)
+    except _NOT_AN_ANSWER:
+        return None
+    return answer if isinstance(answer.usage, dict) else None
+
+
+def _model_label(model: object) -> str:
+    return model if isinstance(model, str) and model else "unknown"
+
+
+@dataclass(frozen=True)
+class RouterMetrics:
+    """Handles to every router metric. Label names are documented on each field."""
+
+    requests: FastCounter  # route, status
+    request_duration: FastHistogram  # route: arrival -> last byte sent
+    ttft: FastHistogram  # mode: arrival at the router -> first decode byte (see observe_ttft)
+    admission_wait: FastHistogram  # outcome (admitted | timeout | cancelled): time in the queue
+    prompt_tokens: FastCounter  # model: prompt tokens of served requests (from usage)
+    generation_tokens: FastCounter  # model: completion tokens of served requests (from usage)
+    inter_token_latency: FastHistogram  # gap between streamed chunks from decode
+    prefill_duration: FastHistogram  # prefill leg round trip
+    fallbacks: FastCounter  # reason
+    retries: FastCounter  # role
+    disagg_decisions: FastCounter  # reason
+    engine_healthy: FastGauge  # engine, role (1 healthy, 0 not)
+    engine_in_flight: FastGauge  # engine, role
+    policy_duration: FastHistogram  # role: one endpoint selection (all policy stages)
+    prefix_lookup_blocks: FastCounter  # role: full prompt blocks routed
+    prefix_hit_blocks: FastCounter  # role: of those, blocks the chosen engine was known to hold
+    prefix_index_entries: FastGauge  # index (approx | kv_events): (engine, block) entries
+    kv_event_batches: FastCounter  # engine: KV-event batches received
+    kv_event_gaps: FastCounter  # engine: sequence gaps (lost KV-event messages)
+    admission_active: FastGauge  # requests holding an admission slot
+    admission_queued: FastGauge  # requests waiting for a slot
+    admission_rejected: FastCounter  # reason (queue_full | queue_timeout)
+    kv_aborts: FastCounter  # result (ok | unsupported | failed): P asked to free a request's KV
+    breaker_opened: FastCounter  # role: circuit breakers opened (engines ejected)
+    _children: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict, repr=False)
+
+    def child(self, metric: MetricFamily[C], *labels: str) -> C:
+        """`metric.labels(*labels)`, cached: label values on the hot path come from small
+        fixed sets (routes, statuses, reasons); one dict lookup, no label conversion."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found  # type: ignore[no-any-return]
+
+    def observe_ttft(self, mode: str, arrival: float, now: float | None = None) -> None:
+        """Record one request's time to first token: from `arrival` (`time.perf_counter()`
+        when the request reached the router, before its body was read and before any
+        admission queue) to `now` (default: the current time), when the first decode byte
+        arrived. `mode` is the flow that served it (label). Also noted on the request's
+        access-log line."""
+        ttft = (time.perf_counter() if now is None else now) - arrival
+        self.child(self.ttft, mode).observe(ttft)
+        record = request_context.current()
+        if record is not None:
+            record.mode = mode
+            record.ttft_s = ttft
+
+    def observe_usage(self, model: str, usage: object) -> None:
+        """Count one finished request's tokens from its final OpenAI `usage` object
+        (`prompt_tokens`, `completion_tokens`; missing or non-integer fields count 0) under
+        the served `model` name. Call once per request, with the usage the client got."""
+        if not isinstance(usage, dict):
+            return
+        prompt, completion = _count(usage, "prompt_tokens"), _count(usage, "completion_tokens")
+        if prompt:
+            self.child(self.prompt_tokens, model).inc(prompt)
+        if completion:
+            self.child(self.generation_tokens, model).inc(completion)
+        record = request_context.current()
+        if record is not None:
+            record.model = model
+            record.prompt_tokens, record.completion_tokens = prompt, completion
+
+    def observe_answer(self, raw: bytes) -> None:
+        """Count a non-streaming answer's tokens from the body sent to the client (its
+        `model` and `usage`; nothing is counted without a usage object)."""
+        answer = _read_answer(raw)
+        if answer is not None:
+            self.observe_usage(_model_label(answer.model), answer.usage)
+
+    def count_fallback(self, reason: str) -> None:
+        """Count one decode leg run without KV from prefill (`reason`: label) and note it
+        on the request's access-log line."""
+        self.child(self.fallbacks, reason).inc()
+        record = request_context.current()
+        if record is not None:
+            record.fallback = reason
+
+    def observe_admission_wait(self, outcome: str, seconds: float) -> None:
+        """Record how long one request waited for an admission slot (0 when one was free);
+        also noted on the request's access line and span."""
+        self.child(self.admission_wait, outcome).observe(seconds)
+        record = request_context.current()
+        if record is not None:
+            record.admission_wait_s = seconds
+
+    @staticmethod
+    def registry() -> CollectorRegistry:
+        """A fresh registry for one app's metrics (no `*_created` series in its scrape)."""
+        return NoCreatedRegistry()
+
+    @classmethod
+    def create(cls, registry: CollectorRegistry) -> RouterMetrics:
+        """Register all metrics on `registry` (one registry per app)."""
+        r = registry
+        return cls(
+            requests=FastCounter(
+                "pdgate_requests", "HTTP requests by route and status", ["route", "status"],
+                registry=r,
+            ),
+            request_duration=FastHistogram(
+                "pdgate_request_duration_seconds", "End-to-end request time", ["route"],
+                buckets=_DURATION_BUCKETS, registry=r,
+            ),
+            ttft=FastHistogram(
+                "pdgate_ttft_seconds",
+                "Request arrival at the router to the first byte from the decode engine",
+                ["mode"], buckets=_LATENCY_BUCKETS, registry=r,
+            ),
+            admission_wait=FastHistogram(
+                "pdgate_admission_wait_seconds",
+                "Time a request waited for an admission slot, by outcome", ["outcome"],
+                buckets=_QUEUE_BUCKETS, registry=r,
+            ),
+            prompt_tokens=FastCounter(
+                "pdgate_prompt_tokens", "Prompt tokens of served requests", ["model"],
+                registry=r,
+            ),
+            generation_tokens=FastCounter(
+                "pdgate_generation_tokens", "Completion tokens of served requests", ["model"],
+                registry=r,
+            ),
+            inter_token_latency=FastHistogram(
+                "pdgate_inter_token_latency_seconds", "Gap between streamed decode chunks",
+                buckets=_ITL_BUCKETS, registry=r,
+            ),
+            prefill_duration=FastHistogram(
+                "pdgate_prefill_duration_seconds", "Prefill leg round trip",
+                buckets=_LATENCY_BUCKETS, registry=r,
+            ),
+            fallbacks=FastCounter(
+                "pdgate_fallbacks", "Decode legs run without KV from prefill", ["reason"],
+                registry=r,
+            ),
+            retries=FastCounter(
+                "pdgate_retries", "Engine legs retried on another engine", ["role"],
+                registry=r,
+            ),
+            disagg_decisions=FastCounter(
+                "pdgate_disagg_decisions", "Disaggregate-or-not decisions", ["reason"],
+                registry=r,
+            ),
+            engine_healthy=FastGauge(
+                "pdgate_engine_healthy", "1 if the engine's last health check passed",
+                ["engine", "role"], registry=r,
+            ),
+            engine_in_flight=FastGauge(
+                "pdgate_engine_in_flight", "Requests in flight per engine", ["engine", "role"],
+                registry=r,
+            ),
+            policy_duration=FastHistogram(
+                "pdgate_policy_duration_seconds", "Time to select one engine", ["role"],
+                buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2),
+                registry=r,
+            ),
+            prefix_lookup_blocks=FastCounter(
+                "pdgate_prefix_lookup_blocks", "Full prompt blocks routed", ["role"],
+                registry=r,
+            ),
+            prefix_hit_blocks=FastCounter(
+                "pdgate_prefix_hit_blocks",
+                "Routed prompt blocks the chosen engine was known to hold", ["role"],
+                registry=r,
+            ),
+            prefix_index_entries=FastGauge(
+                "pdgate_prefix_index_entries", "(engine, block) entries in a prefix index",
+                ["index"], registry=r,
+            ),
+            kv_event_batches=FastCounter(
+                "pdgate_kv_event_batches", "KV-event batches received", ["engine"],
+                registry=r,
+            ),
+            kv_event_gaps=FastCounter(
+                "pdgate_kv_event_gaps", "Gaps in KV-event sequence numbers", ["engine"],
+                registry=r,
+            ),
+            admission_active=FastGauge(
+                "pdgate_admission_active", "Requests holding an admission slot", registry=r,
+            ),
+            admission_queued=FastGauge(
+                "pdgate_admission_queued", "Requests waiting for an admission slot", registry=r,
+            ),
+            admission_rejected=FastCounter(
+                "pdgate_admission_rejected", "Requests refused with 429", ["reason"],
+                registry=r,
+            ),
+            kv_aborts=FastCounter(
+                "pdgate_kv_aborts", "Requests to a prefill engine to free a request's KV",
+                ["result"], registry=r,
+            ),
+            breaker_opened=FastCounter(
+                "pdgate_breaker_opened", "Engine circuit breakers opened (engine ejected)",
+                ["role"], registry=r,
+            ),
+        )
+
+
+class StreamUsage:
+    """The last usage object a stream sent its client. Feed it complete SSE lines as they
+    go out; `observe()` once at the end counts it. A stream carries one only when the
+    client asked (`stream_options.include_usage`, as the final chunk; with
+    `continuous_usage_stats` every chunk has the running total, so the last one is the
+    final count). Lines that do not mention `"usage"` cost one substring search."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: _Answer | None = None
+
+    def feed(self, lines: bytes) -> None:
+        """Note the usage in `lines` (whole SSE lines, as relayed), if any."""
+        if b'"usage"' not in lines:
+            return
+        for line in lines.split(b"\n"):
+            if line.startswith(_DATA) and b'"usage"' in line:
+                answer = _read_answer(line[len(_DATA):])
+                if answer is not None:
+                    self._last = answer
+
+    def observe(self, metrics: RouterMetrics) -> None:
+        """Count the last usage seen (nothing when the stream carried none); once."""
+        last, self._last = self._last, None
+        if last is not None:
+            metrics.observe_usage(_model_label(last.model), last.usage)
+
+
+def _count(usage: dict[str, object], key: str) -> int:
+    value = usage.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0

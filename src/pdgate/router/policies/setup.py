@@ -1,0 +1,91 @@
+"""Builds the routing parts of one app from its config: the shared `PolicyEnv`, one
+`Selector` per leg, the decider, and (with `--kv-events`) the KV-event subscribers, whose
+tasks are bound to the caller's exit stack. Called by `router.app` in its lifespan."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdgate.router.config import RouterConfig
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.policies.base import PolicyEnv
+from pdgate.router.policies.decider import DecodePrefixLookup, PrefixDecider
+from pdgate.router.policies.kv_events import (
+    KVEventIndex,
+    parse_kv_event_endpoints,
+    running_subscribers,
+)
+from pdgate.router.policies.prefix_index import PrefixIndex, block_hashes
+from pdgate.router.policies.registry import build_policy, check_policy
+from pdgate.router.policies.runner import Selector
+from pdgate.router.pool import EndpointPool
+
+__all__ = ["Routing", "check_routing", "open_routing"]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What the orchestrator needs to route: a selector per leg and the decider."""
+
+    prefill: Selector
+    decode: Selector
+    decider: PrefixDecider
+    env: PolicyEnv
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether a policy or the decider reads the prompt's tokens."""
+        return self.prefill.needs_tokens or self.decode.needs_tokens or self.decider.needs_tokens
+
+
+def check_routing(config: RouterConfig) -> None:
+    """Fail at startup on bad policy params (`ConfigError` naming policy and field)."""
+    check_policy(config.prefill_policy)
+    check_policy(config.decode_policy)
+
+
+async def open_routing(
+    config: RouterConfig,
+    pool: EndpointPool,
+    metrics: RouterMetrics,
+    stack: contextlib.AsyncExitStack,
+) -> Routing:
+    """Build the routing state; KV-event subscribers run until `stack` closes."""
+    endpoints = parse_kv_event_endpoints(config.kv_events)
+    exact = None
+    if endpoints:
+        exact = KVEventIndex(config.prefix_block_size, config.prefix_index_max_blocks)
+        metrics.prefix_index_entries.labels("kv_events").set_function(lambda: len(exact.index))
+
+        def on_batch(engine: str, n: int, gap: bool) -> None:
+            metrics.child(metrics.kv_event_batches, engine).inc()
+            if gap:
+                metrics.child(metrics.kv_event_gaps, engine).inc()
+
+        await stack.enter_async_context(running_subscribers(endpoints, exact, on_batch))
+    approx = PrefixIndex(config.prefix_index_max_blocks)
+    metrics.prefix_index_entries.labels("approx").set_function(lambda: len(approx))
+    env = PolicyEnv(config.prefix_block_size, approx, exact)
+    decode = build_policy(config.decode_policy, env, metrics)
+    decider = PrefixDecider(
+        config.disagg_min_tokens, config.disagg_prefix_ratio,
+        _decode_prefix_lookup(pool, env) if config.disagg_prefix_ratio else None,
+    )
+    return Routing(build_policy(config.prefill_policy, env, metrics), decode, decider, env)
+
+
+def _decode_prefix_lookup(pool: EndpointPool, env: PolicyEnv) -> DecodePrefixLookup:
+    """Leading prompt tokens the best healthy decode engine holds (from its KV events
+    where it publishes them, else from the router's own index)."""
+
+    def lookup(token_ids: Sequence[int]) -> int:
+        hashes = block_hashes(token_ids, env.block_size)
+        urls = [ep.url for ep in pool.healthy("decode")]
+        if not hashes or not urls:
+            return 0
+        matched = env.matched_blocks(hashes, urls, use_events=True)
+        return max(matched.values(), default=0) * env.block_size
+
+    return lookup

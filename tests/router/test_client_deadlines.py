@@ -155,3 +155,40 @@ async def test_a_body_that_arrived_whole_is_joined_and_bounded_without_deadlines
     assert (await _whole_chunked(router, body, 4)).startswith(b"HTTP/1.1 200")
     bigger = body.replace(b'"hi ', b'"hi hi ')
     assert (await _whole_chunked(router, bigger, 4)).startswith(b"HTTP/1.1 413")
+
+
+async def _body_never_starts(router: RunningRouter, expect_continue: bool) -> tuple[bytes, float]:
+    """Headers announcing a body, then silence: what the router answers, and when."""
+    reader, writer = await asyncio.open_connection(*_hostport(router))
+    expect = b"Expect: 100-continue\r\n" if expect_continue else b""
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                 b"\r\nContent-Length: 60\r\n%s\r\n" % expect)
+    await writer.drain()
+    t0 = time.monotonic()
+    try:
+        answer = b""
+        async with asyncio.timeout(10):
+            while b"request_timeout" not in answer and (chunk := await reader.read(65536)):
+                answer += chunk
+        return answer, time.monotonic() - t0
+    except TimeoutError:
+        return answer, time.monotonic() - t0
+    finally:
+        writer.close()
+
+
+async def test_a_body_that_never_starts_gets_408_at_the_chunk_deadline(
+    make_engine: MakeEngine, start_router: StartRouter
+) -> None:
+    router = await start_router([await make_engine()], [await make_engine()],
+                                max_concurrent_requests=1, max_queued_requests=0,
+                                body_chunk_timeout_s=0.5, body_timeout_s=30.0)
+    plain, continued = await asyncio.gather(_body_never_starts(router, False),
+                                            _body_never_starts(router, True))
+    for (answer, took), first in ((plain, b"HTTP/1.1 408"),
+                                  (continued, b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 408")):
+        assert answer.startswith(first), answer[:200]
+        assert b'"code":"request_timeout"' in answer
+        assert took < 3.0  # the chunk deadline (0.5 s), not the total one (30 s)
+    assert (await router.client.post(COMPLETIONS, json=BODY)).status_code == 200
+    assert router.metric("pdgate_admission_active") == 0

@@ -199,7 +199,9 @@ async def read_body_within(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + total_s
     try:
-        async with asyncio.timeout(min(loop.time() + chunk_s, deadline)) as timer:
+        # `timeout_at` (a loop time), not `timeout` (a delay): the first chunk's deadline
+        # must hold for a body that never starts, with or without `Expect: 100-continue`.
+        async with asyncio.timeout_at(min(loop.time() + chunk_s, deadline)) as timer:
             while body.take(await receive()):
                 timer.reschedule(min(loop.time() + chunk_s, deadline))
     except TimeoutError:

@@ -9,19 +9,19 @@ anyone reaching the port could hold every KV block (`/v1/kv/reserve`), free anot
 request's blocks (`/v1/kv/abort`), list request ids (`/debug/kv_transfers`) or send
 completions past the router.
 
-Keys are compared in constant time (`hmac.compare_digest`) and never logged. A refusal is a
-401 with an OpenAI-style error body and `WWW-Authenticate: Bearer`, sent before the body is
-read. Paths are matched exactly (no prefix, no trailing-slash variants), so anything not
-listed as open needs the key.
+Keys are compared in constant time (`common/bearer.py`, the router's check too) and never
+logged. A refusal is a 401 with an OpenAI-style error body and `WWW-Authenticate: Bearer`,
+sent before the body is read. Paths are matched exactly (no prefix, no trailing-slash
+variants), so anything not listed as open needs the key.
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Callable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdgate.common.bearer import bearer_matches
 from pdgate.engine_shim.openai_types import error_body
 
 __all__ = ["EngineAuth", "bearer_matches"]
@@ -29,17 +29,6 @@ __all__ = ["EngineAuth", "bearer_matches"]
 _HEALTH = ("GET", "/health")
 _METRICS = ("GET", "/metrics")
 _MESSAGE = "Incorrect or missing API key. Send it as 'Authorization: Bearer <key>'."
-
-
-def bearer_matches(authorization: bytes | None, key: bytes) -> bool:
-    """True when an `Authorization` header value is `Bearer <key>` (scheme case-insensitive,
-    key compared in constant time)."""
-    if authorization is None:
-        return False
-    scheme, _, token = authorization.strip().partition(b" ")
-    if scheme.lower() != b"bearer":
-        return False
-    return hmac.compare_digest(token.strip(), key)
 
 
 class EngineAuth:

@@ -7,60 +7,21 @@ A pure ASGI middleware (no per-request objects beyond a header scan). Client key
 Basic credentials with the admin key as password, so a browser can open it (it prompts once
 and resends them for the page's polling). `/health`, `/ready` and `/metrics` stay open on
 purpose: load balancers and Prometheus scrape them without credentials, and they reveal no
-request data. Every accepted key is compared in constant time (`hmac.compare_digest`, all
-keys checked, no early exit) and never logged; a refused request gets a 401 with an
-OpenAI-style error body and a `WWW-Authenticate` challenge.
+request data. Every accepted key is compared in constant time (`common/bearer.py`, the
+check the shim uses too: all keys checked, no early exit) and never logged; a refused
+request gets a 401 with an OpenAI-style error body and a `WWW-Authenticate` challenge.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hmac
 from collections.abc import Sequence
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from pdgate.common.bearer import any_key_matches, bearer_matches
 from pdgate.router.errors import Unauthorized, error_json
 
 __all__ = ["AuthMiddleware", "any_key_matches", "bearer_matches"]
-
-
-def bearer_matches(authorization: bytes | None, key: bytes) -> bool:
-    """True when an `Authorization` header value is `Bearer <key>` (scheme case-insensitive,
-    constant-time comparison of the key)."""
-    return any_key_matches(authorization, (key,))
-
-
-def any_key_matches(
-    authorization: bytes | None, keys: Sequence[bytes], *, basic: bool = False
-) -> bool:
-    """True when `authorization` carries one of `keys`: `Bearer <key>`, or with `basic`
-    also HTTP Basic with the key as password (any user name). Compares against every key
-    so the time taken does not tell which one was close."""
-    token = _credential(authorization, basic)
-    if token is None:
-        return False
-    matched = False
-    for key in keys:
-        matched |= hmac.compare_digest(token, key)
-    return matched
-
-
-def _credential(authorization: bytes | None, basic: bool) -> bytes | None:
-    if authorization is None:
-        return None
-    scheme, _, token = authorization.strip().partition(b" ")
-    scheme = scheme.lower()
-    if scheme == b"bearer":
-        return token.strip()
-    if basic and scheme == b"basic":
-        try:
-            decoded = base64.b64decode(token.strip(), validate=True)
-        except (binascii.Error, ValueError):
-            return None
-        return decoded.partition(b":")[2]
-    return None
 
 
 class _Rule:

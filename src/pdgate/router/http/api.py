@@ -21,7 +21,7 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from pdgate.router import request_context
@@ -193,6 +193,9 @@ def _completion_handler(
                 st.metrics.child(st.metrics.admission_rejected, exc.reason).inc()
             _count(st, route, exc.status, t0)
             return error_response(exc, ids.echo)
+        except ClientDisconnect:  # left mid-upload: an ordinary event, not a bug to log
+            _count(st, route, 499, t0)
+            return Response(b"", 499)
         response = await serve(request, raw, st, t0, ids)
         if slot is not None:
             if isinstance(response, RelayResponse):

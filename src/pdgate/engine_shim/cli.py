@@ -8,6 +8,7 @@ SIGTERM, then shuts down gracefully (in-flight requests get `--graceful-shutdown
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
@@ -77,7 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
                    f"{credentials.MIN_API_KEY_CHARS} characters (or env "
                    f"{credentials.API_KEY_ENV}, or a file named by "
                    f"{credentials.API_KEY_ENV}_FILE; the same key as the router's "
-                   "--engine-api-key). Default: none, every route open (a warning is logged)")
+                   "--engine-api-key). Required on a non-loopback --host unless "
+                   "--allow-unauthenticated is given")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="serve on a non-loopback --host without an API key: every route, "
+                   "the internal /v1/kv/* and /debug/* ones included, is open to whoever "
+                   "reaches the port (logged at start and reported by GET /health)")
     p.add_argument("--protect-metrics", action="store_true",
                    help="GET /metrics needs the API key too (default: open for Prometheus)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
@@ -251,7 +257,24 @@ def secured_settings(args: argparse.Namespace,
     if edge.protect_metrics and edge.api_key is None:
         raise credentials.CredentialError(
             f"--protect-metrics needs an API key (--api-key or {credentials.API_KEY_ENV})")
+    if edge.api_key is None and not is_loopback(args.host) and not args.allow_unauthenticated:
+        raise credentials.CredentialError(
+            f"refusing to serve on {args.host} without an API key: anyone reaching the port "
+            "could take every KV block or free another request's. Set --api-key, "
+            f"{credentials.API_KEY_ENV} or {credentials.API_KEY_ENV}_FILE (the router's "
+            "--engine-api-key), or pass --allow-unauthenticated to serve open on purpose")
     return edge, credentials.notify_secret(args.notify_secret, environ)
+
+
+def is_loopback(host: str) -> bool:
+    """True when `host` binds loopback only (`localhost`, 127.0.0.0/8, ::1). Any other name
+    may resolve to a reachable address, so it counts as exposed."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -284,6 +307,9 @@ def main(argv: list[str] | None = None) -> int:
             handshake_timeout=args.kv_handshake_timeout,
             probe_timeout=args.kv_probe_timeout,
         ))
+    if edge.api_key is None and not is_loopback(args.host):
+        log.warning("--allow-unauthenticated: serving UNAUTHENTICATED on %s; every route is "
+                    "open to whoever reaches port %d", args.host, args.port)
     kv = engine.kv
     log.info("serving %s (max_model_len %d, %d blocks of %d) on http://%s:%d; model on %s, "
              "KV cache %.1f MiB in %s", engine.served_model_names[0], engine.max_model_len,

@@ -117,7 +117,7 @@ def create_app(engine: Engine, *, connector_factory: ConnectorFactory | None = N
     app = FastAPI(title="pdgate engine shim", lifespan=lifespan)
     app.add_exception_handler(ot.RequestError, _request_error)  # type: ignore[arg-type]
     app.add_exception_handler(EngineError, _engine_error)  # type: ignore[arg-type]
-    _add_routes(app, engine)
+    _add_routes(app, engine, edge.api_key)
     _add_edge(app, engine, edge)
     return app
 
@@ -133,7 +133,7 @@ def _add_edge(app: FastAPI, engine: Engine, edge: ServerSettings) -> None:
                            on_refuse=refused.labels(reason="unauthorized").inc)
 
 
-def _add_routes(app: FastAPI, engine: Engine) -> None:
+def _add_routes(app: FastAPI, engine: Engine, api_key: str | None) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         req = ot.decode_request(await request.body(), ot.CompletionRequest)
@@ -165,9 +165,13 @@ def _add_routes(app: FastAPI, engine: Engine) -> None:
                 for name in engine.served_model_names]
         return _json({"object": "list", "data": data})
 
+    # Open even with a key (probes carry none); says whether the other routes need one.
+    health_body = msgspec.json.encode(
+        {"status": "ok", "auth": "unauthenticated" if api_key is None else "api-key"})
+
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        return Response(health_body, media_type="application/json")
 
     @app.get("/metrics")
     async def metrics() -> Response:

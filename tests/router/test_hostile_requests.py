@@ -1,4 +1,5 @@
-"""Hostile request bodies are refused with a 4xx and bounded work (router/input/limits.py).
+"""Hostile request bodies are refused with a 4xx and bounded work (router/input/limits.py,
+template_sandbox.py, template_workers.py).
 
 Each attack is reproduced against a real router (uvicorn on loopback, fake engines) and
 must come back as an OpenAI-style 4xx: nesting bombs and broken UTF-8 before anything is

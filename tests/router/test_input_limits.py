@@ -16,14 +16,10 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-import pdgate.router.input.limits as limits_module
+import pdgate.router.input.template_workers as workers_module
 from pdgate.router.errors import InvalidRequest
-from pdgate.router.input.limits import (
-    BoundedEnvironment,
-    InputLimits,
-    check_json_depth,
-    render_bounded,
-)
+from pdgate.router.input.limits import InputLimits, check_json_depth
+from pdgate.router.input.template_sandbox import BoundedEnvironment, render_bounded
 from pdgate.router.input.tokenization import PromptTokenizer, max_chars_per_token
 from tests.router.test_hostile_requests import HI, nested_arrays, nested_objects
 
@@ -136,13 +132,13 @@ async def test_template_worker_is_killed_when_it_does_not_stop(
         assert await tok.render_chat(HI, chat_template="{{ 1 }}") == "1"  # worker started
         (first,) = tok._workers._all
         # The parent stops waiting before the worker gives up by itself: it kills it.
-        monkeypatch.setattr(limits_module, "_KILL_GRACE_S", -0.4)
+        monkeypatch.setattr(workers_module, "_KILL_GRACE_S", -0.4)
         t0 = time.perf_counter()
         with pytest.raises(InvalidRequest, match="took longer than 0.5 s"):
             await tok.render_chat(HI, chat_template=SANDBOX_BOMBS["nested loops"])
         assert time.perf_counter() - t0 < 1.0
         assert first.proc.returncode == -9 and first not in tok._workers._all
-        monkeypatch.setattr(limits_module, "_KILL_GRACE_S", 0.5)
+        monkeypatch.setattr(workers_module, "_KILL_GRACE_S", 0.5)
         assert await tok.render_chat(HI, chat_template="{{ 2 }}") == "2"  # a new worker
     finally:
         await tok.aclose()

@@ -12,9 +12,10 @@ whose length alone proves it cannot fit: the vocabulary is scanned once at load 
 most characters one token can cover.
 
 Chat templates are rendered here rather than by `apply_chat_template`, with the same
-variables (vLLM's semantics for `chat_template_kwargs`) but in `router.limits`'
-budget-enforcing sandbox: the model's own template in this process (a worker thread for
-big inputs), a client-supplied one (only if allowed) in a template worker process.
+variables (vLLM's semantics for `chat_template_kwargs`) but in the budget-enforcing
+sandbox (router/input/template_sandbox.py): the model's own template in this process (a
+worker thread for big inputs), a client-supplied one (only if allowed) in a template
+worker process (router/input/template_workers.py).
 """
 
 from __future__ import annotations
@@ -30,14 +31,9 @@ import anyio.to_thread
 from jinja2 import Template
 
 from pdgate.router.errors import InvalidRequest
-from pdgate.router.input.limits import (
-    BoundedEnvironment,
-    InputLimits,
-    TemplateWorkers,
-    render_bounded,
-    rendered_size,
-    worker_count,
-)
+from pdgate.router.input.limits import InputLimits
+from pdgate.router.input.template_sandbox import BoundedEnvironment, render_bounded, rendered_size
+from pdgate.router.input.template_workers import TemplateWorkers, worker_count
 
 __all__ = ["THREAD_THRESHOLD_CHARS", "PromptTokenizer", "check_chat", "load_tokenizer",
            "max_chars_per_token"]

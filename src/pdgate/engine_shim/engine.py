@@ -35,6 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from pdgate.common import char_bound
 from pdgate.contract.kv_contract import (
     NotifyDecodeParams,
     NotifyPrefillParams,
@@ -75,6 +76,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _TRANSFER_LOG_LEN = 256  # entries kept for GET /debug/kv_transfers
+# Longer texts are tokenized (and chats rendered) in a worker thread: ~1 ms of the event
+# loop at most (the router's threshold too).
+INLINE_TOKENIZE_CHARS = 2000
 
 
 @dataclass(frozen=True)
@@ -212,6 +216,10 @@ class Engine:
             self.kv_events = KVEventPublisher(config.kv_events_endpoint, config.block_size,
                                               metrics, config.kv_events_topic)
         self.eos_ids = frozenset(_eos_ids(model, tokenizer))
+        self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
+        # The character bound of early refusals (None: every prompt is tokenized).
+        self.max_chars_per_token = None if self._backend is None else \
+            char_bound.max_chars_per_token(self._backend)
         self.connector: KVTransfer | None = None
         self.transfer_log: deque[dict[str, Any]] = deque(maxlen=_TRANSFER_LOG_LEN)
         self.scheduler = Scheduler(model, self.kv, self.pool, metrics, self._finish,
@@ -269,10 +277,35 @@ class Engine:
         """Set the KV connector (the server's lifespan does, after `connector.start()`)."""
         self.connector = connector
 
-    # ---- tokenization (event-loop thread; fast tokenizers are Rust) ----
+    # ---- tokenization: short texts inline, long ones in a worker thread ----
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """Token ids of `text` (any thread: a fast tokenizer's Rust backend is thread-safe,
+        the Python wrapper around it is not)."""
+        if self._backend is not None:
+            return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def encode_async(self, text: str, *, add_special_tokens: bool) -> list[int]:
+        """`encode`, off the event loop for a text over `INLINE_TOKENIZE_CHARS`."""
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.encode(text, add_special_tokens=add_special_tokens)
+        return await asyncio.to_thread(self.encode, text, add_special_tokens=add_special_tokens)
+
+    def check_prompt_chars(self, chars: int, max_tokens: int | None) -> None:
+        """Refuse a `chars`-character text prompt whose length alone proves it cannot fit
+        with `max_tokens` (None: at least one) to generate, before anyone tokenizes it (the
+        router's rule, `common/char_bound.py`). Raises PromptTooLong (400). A short text
+        is cheap to tokenize: it is left to the exact count (and its exact message)."""
+        cpt = self.max_chars_per_token
+        limit = char_bound.char_limit(self.max_model_len, max_tokens, cpt)
+        if limit is None or cpt is None or chars <= max(limit, INLINE_TOKENIZE_CHARS):
+            return
+        raise PromptTooLong(
+            f"This model's maximum context length is {self.max_model_len} tokens. However,"
+            f" the prompt has {chars} characters, at least "
+            f"{char_bound.min_tokens(chars, cpt)} tokens, and {max_tokens or 1} are asked for"
+            " the completion. Please reduce the prompt or max_tokens.")
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The chat template applied with the assistant header appended (vLLM renders text,
@@ -281,6 +314,12 @@ class Engine:
             messages, add_generation_prompt=True, tokenize=False
         )
         return str(text)
+
+    async def render_chat_async(self, messages: list[dict[str, str]]) -> str:
+        """`render_chat`, off the event loop when the messages are long."""
+        if sum(len(m["content"]) for m in messages) <= INLINE_TOKENIZE_CHARS:
+            return self.render_chat(messages)
+        return await asyncio.to_thread(self.render_chat, messages)
 
     # ---- lifecycle ----
 

@@ -139,8 +139,11 @@ def _add_routes(app: FastAPI, engine: Engine, api_key: str | None) -> None:
         req = ot.decode_request(await request.body(), ot.CompletionRequest)
         prompt = ot.completion_prompt(req.prompt)
         if isinstance(prompt, str):
+            engine.check_prompt_chars(
+                len(prompt), ot.max_tokens(req, _COMPLETIONS_DEFAULT_MAX_TOKENS))
             with span("tokenize", **{"pdgate.prompt_chars": len(prompt)}):
-                ids = engine.encode(prompt, add_special_tokens=req.add_special_tokens)
+                ids = await engine.encode_async(prompt,
+                                                add_special_tokens=req.add_special_tokens)
         else:
             ids = _check_token_ids(engine, prompt)
         return await _serve(engine, request, req, ids, chat=False)
@@ -150,11 +153,12 @@ def _add_routes(app: FastAPI, engine: Engine, api_key: str | None) -> None:
         req = ot.decode_request(await request.body(), ot.ChatCompletionRequest)
         messages = ot.chat_messages(req.messages)
         try:
-            text = engine.render_chat(messages)
+            text = await engine.render_chat_async(messages)
         except Exception as e:  # a template may raise on roles it does not know
             raise ot.RequestError(f"chat template failed: {e}", param="messages") from e
+        engine.check_prompt_chars(len(text), ot.max_tokens(req, None))
         with span("tokenize", **{"pdgate.prompt_chars": len(text)}):
-            ids = engine.encode(text, add_special_tokens=req.add_special_tokens)
+            ids = await engine.encode_async(text, add_special_tokens=req.add_special_tokens)
         return await _serve(engine, request, req, ids, chat=True)
 
     @app.get("/v1/models")

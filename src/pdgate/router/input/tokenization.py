@@ -9,7 +9,7 @@ Encoding goes straight to the Rust backend (`backend_tokenizer`), which is threa
 prompts longer than `THREAD_THRESHOLD_CHARS` are encoded in a worker thread so a huge prompt
 does not stall the event loop. Before that, `char_limit` lets the caller refuse a prompt
 whose length alone proves it cannot fit: the vocabulary is scanned once at load for the
-most characters one token can cover.
+most characters one token can cover (common/char_bound.py, the shim's rule too).
 
 Chat templates are rendered here rather than by `apply_chat_template`, with the same
 variables (vLLM's semantics for `chat_template_kwargs`) but in the budget-enforcing
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,8 @@ from typing import Any
 import anyio.to_thread
 from jinja2 import Template
 
+from pdgate.common import char_bound
+from pdgate.common.char_bound import max_chars_per_token
 from pdgate.router.errors import InvalidRequest
 from pdgate.router.input.limits import InputLimits
 from pdgate.router.input.template_sandbox import BoundedEnvironment, render_bounded, rendered_size
@@ -93,14 +94,12 @@ class PromptTokenizer:
     def char_limit(self, max_tokens: int | None) -> int | None:
         """Prompt length in characters beyond which the prompt plus `max_tokens` (at least
         one) cannot fit the context: longer ones need not be tokenized. None: no bound."""
-        if self.max_model_len is None or self.max_chars_per_token is None:
-            return None
-        return max(0, self.max_model_len - (max_tokens or 1)) * self.max_chars_per_token
+        return char_bound.char_limit(self.max_model_len, max_tokens, self.max_chars_per_token)
 
     def min_tokens(self, chars: int) -> int:
         """The fewest tokens `chars` characters of text can be (needs a character bound)."""
         assert self.max_chars_per_token is not None
-        return math.ceil(chars / self.max_chars_per_token)
+        return char_bound.min_tokens(chars, self.max_chars_per_token)
 
     async def encode_prompt(self, text: str) -> list[int]:
         """Token ids of a completion prompt, special tokens (e.g. BOS) added as the engine
@@ -185,6 +184,14 @@ class PromptTokenizer:
                               timeout_s=self.limits.chat_template_timeout_s,
                               max_chars=self.limits.chat_template_max_output_chars,
                               stop_after=stop_after)
+
+    def token_text(self, ids: Sequence[int], before: Sequence[int] = ()) -> str:
+        """The text `ids` add after the tokens `before`, as an engine streams them (decoded
+        in context: a leading space or a completed character comes out right)."""
+        decode = self._backend.decode
+        head = decode(list(before), skip_special_tokens=True) if before else ""
+        full: str = decode([*before, *ids], skip_special_tokens=True)
+        return full[len(head):] if full.startswith(head) else full
 
     def _encode(self, text: str, special: bool) -> list[int]:
         try:
@@ -297,73 +304,6 @@ def _is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-# --- the character bound ------------------------------------------------------------------
-
-# NFC/NFKC can merge a canonical decomposition back into one character: at most 4 code
-# points (e.g. U+1F82), checked against unicodedata in the tests.
-_NFC_MAX_MERGE = 4
-_KEEPING_PRE_TOKENIZERS = ("ByteLevel", "Metaspace", "Digits", "UnicodeScripts",
-                           "FixedLength")
-
-
-def max_chars_per_token(backend: Any) -> int | None:
-    """The most input characters one token of `backend` (a `tokenizers.Tokenizer`) can
-    cover: its longest vocabulary entry (added tokens included) times what the normalizer
-    can shrink text by. None when the pipeline can drop or merge characters without bound
-    (e.g. a whitespace-removing pre-tokenizer, WordPiece's one [UNK] for any long word)."""
-    spec = json.loads(backend.to_str())
-    shrink = _normalizer_shrink(spec.get("normalizer"))
-    if (shrink is None or not _keeps_chars(spec.get("pre_tokenizer"))
-            or not _bounded_model(spec.get("model") or {})):
-        return None
-    longest = max((len(t) for t in backend.get_vocab(with_added_tokens=True)), default=1)
-    return max(longest, 1) * shrink
-
-
-def _normalizer_shrink(spec: dict[str, Any] | None) -> int | None:
-    if spec is None:
-        return 1
-    kind = spec.get("type")
-    if kind == "Sequence":
-        total = 1
-        for part in spec.get("normalizers", []):
-            factor = _normalizer_shrink(part)
-            if factor is None:
-                return None
-            total *= factor
-        return total
-    if kind in ("NFD", "NFKD", "Lowercase", "Prepend", "ByteLevel"):
-        return 1  # these never shorten text
-    if kind in ("NFC", "NFKC"):
-        return _NFC_MAX_MERGE
-    if kind == "Replace":
-        old, new = (spec.get("pattern") or {}).get("String"), spec.get("content", "")
-        if isinstance(old, str) and isinstance(new, str) and new:
-            return max(1, math.ceil(len(old) / len(new)))
-    return None  # strips, removes or rewrites by regex: no bound
-
-
-def _keeps_chars(spec: dict[str, Any] | None) -> bool:
-    if spec is None:
-        return True
-    kind = spec.get("type")
-    if kind == "Sequence":
-        return all(_keeps_chars(p) for p in spec.get("pretokenizers", []))
-    if kind in ("Split", "Punctuation"):
-        return str(spec.get("behavior", "")).lower() != "removed"
-    return kind in _KEEPING_PRE_TOKENIZERS
-
-
-def _bounded_model(spec: dict[str, Any]) -> bool:
-    kind = spec.get("type")
-    if kind == "BPE":  # fused unknowns make one token of any run of unknown characters
-        return not (spec.get("unk_token") and spec.get("fuse_unk")
-                    and not spec.get("byte_fallback"))
-    if kind == "Unigram":  # fuses unknowns unless it falls back to bytes
-        return spec.get("unk_id") is None or bool(spec.get("byte_fallback"))
-    return False  # WordPiece, WordLevel: an unknown word of any length is one token
 
 
 def load_tokenizer(source: str, model: str, max_model_len: int | None) -> PromptTokenizer:

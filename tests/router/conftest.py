@@ -85,7 +85,8 @@ async def serve(config: RouterConfig, tokenizer: PromptTokenizer) -> AsyncIterat
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(
         app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1,
-        http=header_deadline_protocol(config.header_timeout_s),
+        http=header_deadline_protocol(config.header_timeout_s,
+                                      config.max_pending_connections),
     ))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     while not server.started:

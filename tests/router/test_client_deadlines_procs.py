@@ -103,3 +103,40 @@ async def test_a_client_that_leaves_mid_upload_is_a_counted_499_without_tracebac
     access = [x for x in router.log_lines() if x.get("access") and x["path"] == COMPLETIONS]
     assert sorted(x["status"] for x in access) == [200] + [499] * 20
     assert len(p.requests) == 1  # only the one complete request reached an engine
+
+
+async def _answer_within(reader: asyncio.StreamReader, within_s: float) -> bytes | None:
+    """What the server sent before closing, or None while it keeps the connection open."""
+    try:
+        async with asyncio.timeout(within_s):
+            return await reader.read()
+    except TimeoutError:
+        return None
+
+
+async def test_connections_without_a_complete_request_are_capped(
+    make_engine: MakeEngine, tiny_model_dir: Path
+) -> None:
+    p, d = await make_engine(), await make_engine()
+    async with router_process(tiny_model_dir, p, d, "--max-pending-connections", "20",
+                              "--header-timeout-s", "2") as router:
+        # A client whose keep-alive connection has completed a request is not pending.
+        assert (await router.client.post(COMPLETIONS, json=BODY)).status_code == 200
+        idle = [await asyncio.open_connection("127.0.0.1", router.port) for _ in range(20)]
+        await asyncio.sleep(0.3)  # the router has accepted all twenty
+        extra = [await asyncio.open_connection("127.0.0.1", router.port) for _ in range(5)]
+        refused = await asyncio.gather(*(_answer_within(r, 1.0) for r, _ in extra))
+        for answer in refused:  # refused at once, before the client sent anything
+            assert answer is not None and answer.startswith(b"HTTP/1.1 503"), answer
+            assert b'"code":"too_many_connections"' in answer
+        # The twenty are still open, and the established client is still served.
+        assert await asyncio.gather(*(_answer_within(r, 0.05) for r, _ in idle)) == [None] * 20
+        assert (await router.client.post(COMPLETIONS, json=BODY)).status_code == 200
+        # Once the idle ones hit the header deadline and close, new connections are served.
+        closed = await asyncio.gather(*(_answer_within(r, 5.0) for r, _ in idle))
+        assert closed == [b""] * 20
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{router.port}") as fresh:
+            assert (await fresh.post(COMPLETIONS, json=BODY)).status_code == 200
+        for _, writer in idle + extra:
+            writer.close()
+    assert "--max-pending-connections 20" in router.stderr.decode()  # said why, once

@@ -162,6 +162,10 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("chat_template_max_output_chars", int, "largest prompt a client chat_template may "
                                             "render, in characters (larger: 400)"),
     ("header_timeout_s", float, "seconds a client has to send its request headers"),
+    ("max_pending_connections", int, "most client connections, per process, that have not "
+                                     "completed a request (new, or inside its headers or "
+                                     "body); a new one beyond it is answered 503 and closed "
+                                     "before anything is read"),
     ("body_timeout_s", float, "seconds a client has to send its whole request body (408)"),
     ("body_chunk_timeout_s", float, "max seconds between two chunks of a request body (408)"),
     ("stream_write_timeout_s", float, "seconds a streamed chunk may wait for a client that "
@@ -249,7 +253,8 @@ def serve(config: RouterConfig, *, app: Any = None, sock: socket.socket | None =
         signal.signal(signum, lambda *_: None)
     server = uvicorn.Server(uvicorn.Config(
         app, host=config.host, port=config.port, loop="auto",
-        http=header_deadline_protocol(config.header_timeout_s),
+        http=header_deadline_protocol(config.header_timeout_s,
+                                      config.max_pending_connections),
         timeout_graceful_shutdown=int(config.shutdown_timeout_s + 0.999),
         log_level=config.log_level, access_log=False, log_config=None,
         # Nothing in the router reads the client address or scheme that uvicorn's proxy

@@ -150,6 +150,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     chat_template_timeout_s: float = 2.0
     chat_template_max_output_chars: int = 4 * MIB
     header_timeout_s: float = 10.0
+    # Connections that have not completed a request (new, or inside a request's headers or
+    # body), per process; more are answered 503 and closed before anything is read.
+    max_pending_connections: int = 1024
     body_timeout_s: float = 30.0
     body_chunk_timeout_s: float = 10.0
     stream_write_timeout_s: float = 30.0
@@ -207,6 +210,7 @@ _POSITIVE = (
     "chat_template_timeout_s",
     "chat_template_max_output_chars",
     "header_timeout_s",
+    "max_pending_connections",
     "body_timeout_s",
     "body_chunk_timeout_s",
     "stream_write_timeout_s",

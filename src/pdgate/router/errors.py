@@ -13,6 +13,8 @@ code only ever sees this tree::
     ├── Unauthorized                 401 AuthenticationError / invalid_api_key
     ├── Overloaded                   429 RateLimitError / overloaded  (+ Retry-After)
     ├── NoEndpointAvailable          503 ServiceUnavailableError / no_endpoint_available
+    ├── TooManyConnections           503 ServiceUnavailableError / too_many_connections
+    │                                    (a new connection over the cap, before any read)
     ├── EngineUnavailable            502 BadGatewayError / engine_unavailable  (connect, reset)
     ├── EngineTimeout                504 GatewayTimeoutError / engine_timeout
     ├── EngineError                  502 BadGatewayError / engine_error  (engine said 5xx or
@@ -77,6 +79,7 @@ __all__ = [
     "PayloadTooLarge",
     "RequestTimeout",
     "RouterError",
+    "TooManyConnections",
     "Unauthorized",
     "error_body",
     "error_json",
@@ -164,6 +167,15 @@ class NoEndpointAvailable(RouterError):
     status = 503
     type = "ServiceUnavailableError"
     code = "no_endpoint_available"
+
+
+class TooManyConnections(RouterError):
+    """A new client connection found `max_pending_connections` connections that have not
+    completed a request; it is answered and closed before anything is read (503)."""
+
+    status = 503
+    type = "ServiceUnavailableError"
+    code = "too_many_connections"
 
 
 class EngineUnavailable(RouterError):

@@ -2,11 +2,15 @@
 
 uvicorn bounds idle keep-alive connections but not a client that trickles its request: a
 connection that never finishes its headers stays open forever, and a body sent a byte at a
-time holds its admission slot for as long as the client likes. Three bounds close that:
+time holds its admission slot for as long as the client likes. Four bounds close that:
 
 - `header_deadline_protocol`: uvicorn's httptools protocol with a timer from the first byte
   of a request (or from the connection's start) to the end of its headers; when it fires,
   the connection is closed (the client sent no complete request, so nobody reads a 408).
+- The same protocol caps the connections that have not completed a request (new ones, and
+  ones inside a request's headers or body; not idle keep-alive ones, nor ones waiting for
+  their answer) at `max_pending_connections` per process: a connection beyond it gets a
+  503 and is closed before anything is read (`PendingConnections`).
 - `read_body_within`: the request body with a total deadline and a per-chunk deadline
   (`RequestTimeout`, 408) and the size limit (`PayloadTooLarge`, 413).
 - `ChunkWriter` (behind the router's protocol) and `WriteDeadlineSend` (an ASGI `send`
@@ -14,23 +18,27 @@ time holds its admission slot for as long as the client likes. Three bounds clos
   reading within the deadline ends the stream (`SlowReader`), which releases the engine
   leg and the admission slot.
 
-Configured by `RouterConfig.header_timeout_s`, `body_timeout_s`, `body_chunk_timeout_s`,
-`stream_write_timeout_s`.
+Configured by `RouterConfig.header_timeout_s`, `max_pending_connections`, `body_timeout_s`,
+`body_chunk_timeout_s`, `stream_write_timeout_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Message, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from pdgate.router.errors import PayloadTooLarge, RequestTimeout
+from pdgate.router.errors import PayloadTooLarge, RequestTimeout, TooManyConnections, error_json
 
-__all__ = ["BODY_COMPLETE", "CONNECTION_LOST", "ChunkWriter", "SlowReader",
+__all__ = ["BODY_COMPLETE", "CONNECTION_LOST", "ChunkWriter", "PendingConnections", "SlowReader",
            "WriteDeadlineSend", "header_deadline_protocol", "header_value", "read_body_within"]
+
+log = logging.getLogger(__name__)
 
 
 CONNECTION_LOST = "pdgate.connection_lost"
@@ -47,22 +55,80 @@ RESPONSE_CYCLE = "pdgate.response_cycle"
 the request, which `ChunkWriter` writes a streamed body through."""
 
 
+class PendingConnections:
+    """The connections of one server that have not completed a request, up to `limit`.
+
+    A connection counts from its start until its first request is whole (headers and
+    body), and again from each later request's first byte until that one is whole: what a
+    client holds without having asked for anything yet. A connection over the limit is
+    refused before anything is read, so idle or trickling clients cannot pile up sockets
+    and handler tasks; clients on established keep-alive connections are still served."""
+
+    __slots__ = ("limit", "count", "refused", "_unlogged", "_logged_at")
+
+    _LOG_EVERY_S = 10.0
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+        self.refused = 0  # connections refused so far
+        self._unlogged = 0
+        self._logged_at = float("-inf")
+
+    def note_refused(self) -> None:
+        """Count a refused connection; warn at most every `_LOG_EVERY_S` seconds."""
+        self.refused += 1
+        self._unlogged += 1
+        now = time.monotonic()
+        if now - self._logged_at >= self._LOG_EVERY_S:
+            log.warning("refused %d new connection(s): %d connections have not completed a "
+                        "request (--max-pending-connections %d)", self._unlogged, self.count,
+                        self.limit)
+            self._unlogged = 0
+            self._logged_at = now
+
+
+def _refusal() -> bytes:
+    body = error_json(TooManyConnections(
+        "too many connections have not completed a request; retry later"))
+    return (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nretry-after: 1\r\nconnection: close\r\n\r\n%b"
+            % (len(body), body))
+
+
+_REFUSAL = _refusal()
+
+
 class _HeaderDeadlineProtocol(HttpToolsProtocol):
     """Closes a connection whose request headers are not complete `header_timeout_s` after
-    the connection opened or the request's first byte arrived."""
+    the connection opened or the request's first byte arrived; refuses a new connection
+    while `pending` is full."""
 
     header_timeout_s = 10.0
+    pending: PendingConnections
     _header_timer: asyncio.TimerHandle | None = None
     _body_state: dict[object, object]
     _cycle_slot: dict[object, object]
     _in_headers = False  # a request began and its headers are not complete yet
+    _counted = False  # counted in `pending`: no complete request since it began
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_CorkedTransport(transport, self.loop))  # type: ignore[arg-type]
         self._lost: asyncio.Future[None] = self.loop.create_future()
+        pending = self.pending
+        if pending.count >= pending.limit:
+            pending.note_refused()
+            self.transport.write(_REFUSAL)
+            self.transport.close()  # nothing is read: the answer goes out, then the close
+            return
+        pending.count += 1
+        self._counted = True
         self._arm_header_timer()
 
     def on_message_begin(self) -> None:
+        if not self._counted:
+            self.pending.count += 1
+            self._counted = True
         super().on_message_begin()
         # ASGI extensions map a name to a dict of details.
         self._body_state = {"complete": False}
@@ -82,6 +148,7 @@ class _HeaderDeadlineProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._body_state["complete"] = True
+        self._uncount()
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
@@ -93,9 +160,15 @@ class _HeaderDeadlineProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        self._uncount()
         if not self._lost.done():
             self._lost.set_result(None)
         super().connection_lost(exc)
+
+    def _uncount(self) -> None:
+        if self._counted:
+            self._counted = False
+            self.pending.count -= 1
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is None:
@@ -169,11 +242,15 @@ class _CorkedTransport:
 _CORK_MAX = 64 * 1024
 
 
-def header_deadline_protocol(header_timeout_s: float) -> type[HttpToolsProtocol]:
-    """The protocol class to pass as uvicorn's `http=` for this header deadline (its
-    transport also sends each loop iteration's writes as one: `_CorkedTransport`)."""
+def header_deadline_protocol(
+    header_timeout_s: float, max_pending_connections: int = 1024
+) -> type[HttpToolsProtocol]:
+    """The protocol class to pass as uvicorn's `http=` for this header deadline and cap
+    on pending connections (one count per call: pass the class to one server). Its
+    transport also sends each loop iteration's writes as one: `_CorkedTransport`."""
     return type("HeaderDeadlineProtocol", (_HeaderDeadlineProtocol,),
-                {"header_timeout_s": header_timeout_s})
+                {"header_timeout_s": header_timeout_s,
+                 "pending": PendingConnections(max_pending_connections)})
 
 
 async def read_body_within(

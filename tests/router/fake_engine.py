@@ -44,9 +44,11 @@ class Recorded:
         return isinstance(params, dict) and params.get("do_remote_decode") is True
 
 
-# What a token-id-listing P reports: the prompt's ids and the token it sampled ("P").
+# What a token-id-listing P reports: the prompt's ids (the client's, when it sent ids) and
+# the token it sampled ("P": its id in the tiny model's vocabulary, so the router's check
+# that P's text decodes from P's id passes).
 FAKE_PROMPT_IDS = (101, 102, 103)
-FAKE_FIRST_TOKEN = 7
+FAKE_FIRST_TOKEN = 52
 
 @dataclass
 class FakeEngine:
@@ -79,6 +81,13 @@ class FakeEngine:
     # As D: a push leg asked to continue after P's token answers with one SSE error event
     # (the shim's answer when the push did not land).
     fail_continuations: bool = False
+    # Faults of a broken engine: answer with this reply/event `id` (default: vLLM's
+    # `cmpl-<X-Request-Id>`), list these prompt ids, give P's token this text, name this
+    # request id in P's kv_transfer_params.
+    answer_id: str | None = None
+    listed_prompt_ids: list[int] | None = None
+    first_token_text: str = "P"
+    kv_request_id: str | None = None
     reserves: list[dict[str, Any]] = field(default_factory=list)
     aborts: list[str] = field(default_factory=list)
     # (path, Authorization header or None) of every request, health probes included.
@@ -214,8 +223,15 @@ class FakeEngine:
             return await self._stream(request, rec, chat)
         return web.json_response(self._decode_reply(rec, chat))
 
+    def answer_id_of(self, rec: Recorded, chat: bool) -> str:
+        """The `id` this engine answers `rec` with: vLLM's `cmpl-<X-Request-Id>`."""
+        if self.answer_id is not None:
+            return self.answer_id
+        return f"{'chatcmpl' if chat else 'cmpl'}-{rec.headers.get('X-Request-Id', 'fake')}"
+
     def _prefill_reply(self, rec: Recorded, chat: bool) -> dict[str, Any]:
-        reply = _reply(chat, "P", rec.body.get("n") or 1)
+        reply = _reply(chat, self.first_token_text, rec.body.get("n") or 1)
+        reply["id"] = self.answer_id_of(rec, chat)
         reply["usage"] = {
             "prompt_tokens": PREFILL_PROMPT_TOKENS,
             "completion_tokens": 1,
@@ -223,8 +239,10 @@ class FakeEngine:
             "prompt_tokens_details": {"cached_tokens": PREFILL_CACHED_TOKENS},
         }
         if self.token_ids and rec.body.get("return_token_ids") and not chat:
-            reply["choices"][0].update(prompt_token_ids=list(FAKE_PROMPT_IDS),
-                                       token_ids=[FAKE_FIRST_TOKEN])
+            prompt = rec.body.get("prompt")
+            listed = self.listed_prompt_ids or (
+                prompt if isinstance(prompt, list) else list(FAKE_PROMPT_IDS))
+            reply["choices"][0].update(prompt_token_ids=listed, token_ids=[FAKE_FIRST_TOKEN])
         if rec.body["kv_transfer_params"].get("pdgate_mode"):
             reply["kv_transfer_params"] = self._push(rec)
         else:
@@ -237,7 +255,7 @@ class FakeEngine:
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_engine_id": self.engine_id,
-            "remote_request_id": rec.headers.get("X-Request-Id"),
+            "remote_request_id": self.kv_request_id or rec.headers.get("X-Request-Id"),
             "remote_block_ids": [4],  # one block holds the three prompt tokens
             "remote_host": "127.0.0.1",
             "remote_port": 5601,
@@ -246,6 +264,7 @@ class FakeEngine:
 
     def _decode_reply(self, rec: Recorded, chat: bool) -> dict[str, Any]:
         reply = _reply(chat, "".join(self.tokens), rec.body.get("n") or 1)
+        reply["id"] = self.answer_id_of(rec, chat)
         reply["usage"] = _decode_usage(len(self.tokens))
         return reply
 
@@ -253,15 +272,16 @@ class FakeEngine:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         opts = rec.body.get("stream_options") or {}
+        rid = self.answer_id_of(rec, chat)
         try:
             for i, tok in enumerate(self.tokens):
                 if i and self.token_delay_s:
                     await self._pause(self.token_delay_s)
                 elif not i and self.first_token_delay_s:
                     await self._pause(self.first_token_delay_s)
-                await _send(resp, _chunk(chat, tok))
+                await _send(resp, {**_chunk(chat, tok), "id": rid})
             if opts.get("include_usage"):
-                final = _chunk(chat, None)
+                final = {**_chunk(chat, None), "id": rid}
                 final["usage"] = _decode_usage(len(self.tokens))
                 await _send(resp, final)
             await resp.write(b"data: [DONE]\n\n")

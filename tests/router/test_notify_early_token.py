@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from tests.router.conftest import MODEL, RunningRouter, engine_rid, sse_events, until
-from tests.router.fake_engine import FakeEngine
+from tests.router.fake_engine import FAKE_FIRST_TOKEN, FakeEngine
 
 MakeEngine = Callable[..., Awaitable[FakeEngine]]
 StartRouter = Callable[..., Awaitable[RunningRouter]]
@@ -19,7 +19,7 @@ BODY = {"model": MODEL, "prompt": "Hello world", "max_tokens": 4, "stream": True
 async def _cluster(make_engine: MakeEngine, start_router: StartRouter, *,
                    router_kw: dict[str, Any] | None = None, **p_kw: Any
                    ) -> tuple[FakeEngine, FakeEngine, RunningRouter]:
-    p = await make_engine(engine_id="P0", first_token_ids=[7], **p_kw)
+    p = await make_engine(engine_id="P0", first_token_ids=[FAKE_FIRST_TOKEN], **p_kw)
     d = await make_engine(engine_id="D0")
     router = await start_router([p], [d], pd_mode="notify", kv_ready_timeout_s=10.0,
                                 **(router_kw or {}))
@@ -47,7 +47,7 @@ async def test_stream_opens_with_p_token_and_d_continues_after_it(
     assert _texts(_events(resp.text)) == ["P", "Hello", " world", "!"]
     [decode] = d.decodes
     dkv = decode.body["kv_transfer_params"]
-    assert dkv["first_token_ids"] == [7]
+    assert dkv["first_token_ids"] == [FAKE_FIRST_TOKEN]
     assert dkv["do_remote_prefill"] is True and dkv["reservation_id"] == f"{engine_rid(p)}@1"
     assert decode.body["max_tokens"] == 4  # D counts P's token against the budget itself
     assert router.metric("pdgate_early_first_tokens_total", {"result": "kv"}) == 1
@@ -66,7 +66,7 @@ async def test_chat_stream_opens_with_the_role_then_p_token(
     assert events[0]["object"] == "chat.completion.chunk" and events[0]["usage"] is None
     assert _texts(events)[1:] == ["P", "Hello", " world", "!"]
     assert events[-1]["usage"]["completion_tokens"] == 3  # as D reported it
-    assert d.decodes[0].body["kv_transfer_params"]["first_token_ids"] == [7]
+    assert d.decodes[0].body["kv_transfer_params"]["first_token_ids"] == [FAKE_FIRST_TOKEN]
 
 
 async def test_kv_lost_after_the_first_token_has_d_recompute_and_continue(
@@ -79,7 +79,8 @@ async def test_kv_lost_after_the_first_token_has_d_recompute_and_continue(
     assert _texts(_events(resp.text)) == ["P", "Hello", " world", "!"]
     [decode] = d.decodes
     # No transfer to use: D computes the prompt, still continuing after P's token.
-    assert decode.body["kv_transfer_params"] == {"first_token_ids": [7], "pdgate_kv_version": 1}
+    assert decode.body["kv_transfer_params"] == {"first_token_ids": [FAKE_FIRST_TOKEN],
+                                                 "pdgate_kv_version": 1}
     assert router.metric("pdgate_early_first_tokens_total", {"result": "recompute"}) == 1
     await until(lambda: p.aborts == [engine_rid(p)] and d.aborts == [engine_rid(p)])
 
@@ -124,7 +125,7 @@ async def test_early_token_can_be_turned_off(
 
 async def _push(make_engine: MakeEngine, start_router: StartRouter, **d_kw: Any
                 ) -> tuple[FakeEngine, FakeEngine, RunningRouter]:
-    p = await make_engine(engine_id="P0", first_token_ids=[7])
+    p = await make_engine(engine_id="P0", first_token_ids=[FAKE_FIRST_TOKEN])
     d = await make_engine(engine_id="D0", **d_kw)
     router = await start_router([p], [d], pd_mode="push")
     return p, d, router
@@ -151,13 +152,14 @@ async def test_push_continuation_that_cannot_start_is_recomputed_after_p_token(
     assert _texts(_events(resp.text)) == ["P", "Hello", " world", "!"]
     first, again = d.decodes
     assert first.body["kv_transfer_params"]["continue_after_prefill"] is True
-    assert again.body["kv_transfer_params"] == {"first_token_ids": [7], "pdgate_kv_version": 1}
+    assert again.body["kv_transfer_params"] == {"first_token_ids": [FAKE_FIRST_TOKEN],
+                                                "pdgate_kv_version": 1}
     assert router.metric("pdgate_early_first_tokens_total", {"result": "recompute"}) == 1
 
 
 async def test_push_without_kv_from_p_runs_a_plain_decode_leg(
         make_engine: MakeEngine, start_router: StartRouter) -> None:
-    p = await make_engine(engine_id="P0", first_token_ids=[7], push_params=False)
+    p = await make_engine(engine_id="P0", first_token_ids=[FAKE_FIRST_TOKEN], push_params=False)
     d = await make_engine(engine_id="D0")
     router = await start_router([p], [d], pd_mode="push")
     resp = await router.client.post("/v1/completions", json=BODY,

@@ -6,9 +6,20 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
-from pdgate.router.flows.pull_early import first_token
+from pdgate.router.engines.replies import decode_prefill
+from pdgate.router.flows.early import FirstToken, FirstTokenCheck
+from pdgate.router.input.schema import ClientRequest, CompletionParams
+
+REQ = ClientRequest("completion", "/v1/completions", {}, CompletionParams(prompt="x"), "r", {})
+
+
+def first_token(raw: dict[str, Any]) -> FirstToken | None:
+    """P's token as the pull flow's check takes it from P's decoded reply."""
+    reply = decode_prefill("http://p", "/v1/completions", msgspec.json.encode(raw), None)
+    return FirstTokenCheck(None, lambda reason: None).listed(REQ, reply)
 
 
 def reply(prompt_len: int, blocks: Any, remote_num_tokens: int | None = None) -> dict[str, Any]:

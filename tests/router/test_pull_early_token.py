@@ -10,8 +10,9 @@ from tests.router.conftest import MODEL, RunningRouter, sse_events
 from tests.router.fake_engine import FAKE_FIRST_TOKEN, FAKE_PROMPT_IDS
 from tests.router.test_ops import eventually
 
-BODY: dict[str, Any] = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "stream": True,
-                        "stream_options": {"include_usage": True}}
+# The client sends ids, so the router knows the prompt's ids and checks P's list against them.
+BODY: dict[str, Any] = {"model": MODEL, "prompt": list(FAKE_PROMPT_IDS), "max_tokens": 5,
+                        "stream": True, "stream_options": {"include_usage": True}}
 
 
 def texts(events: list[Any]) -> list[str]:
@@ -48,7 +49,7 @@ async def test_an_engine_without_token_ids_keeps_the_plain_stream(
     router: RunningRouter = await start_router([p], [d])
     resp = await router.client.post("/v1/completions", json=BODY)
     assert texts(sse_events(resp.text)) == list(d.tokens)
-    assert d.decodes[-1].body["prompt"] == "Hello"
+    assert d.decodes[-1].body["prompt"] == list(FAKE_PROMPT_IDS)
     assert router.metric("pdgate_early_first_tokens_total", {"result": "kv"}) == 0
 
 

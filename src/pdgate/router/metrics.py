@@ -102,6 +102,9 @@ class RouterMetrics:
     admission_rejected: FastCounter  # reason (queue_full | queue_timeout)
     kv_aborts: FastCounter  # result (ok | unsupported | failed): P asked to free a request's KV
     breaker_opened: FastCounter  # role: circuit breakers opened (engines ejected)
+    # reason (request_id | kv_params: the answer named another request; prompt_ids |
+    # first_token: P's early first token failed its check, the plain flow ran)
+    engine_answers_refused: FastCounter
     _children: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict, repr=False)
 
     def child(self, metric: MetricFamily[C], *labels: str) -> C:
@@ -272,6 +275,12 @@ class RouterMetrics:
             breaker_opened=FastCounter(
                 "pdgate_breaker_opened", "Engine circuit breakers opened (engine ejected)",
                 ["role"], registry=r,
+            ),
+            engine_answers_refused=FastCounter(
+                "pdgate_engine_answers_refused",
+                "Engine answers refused: they answered another request, or P's early first "
+                "token failed its check",
+                ["reason"], registry=r,
             ),
         )
 

@@ -3,8 +3,9 @@
 `tokenize` counts the prompt's tokens and checks the context length (only when a policy,
 the decider or the flow needs the tokens: `tokenize_prompts`); the decider says
 whether to disaggregate; the flow of `--pd-mode` (router/flows/) runs the legs. A request
-the decider keeps on one engine, or one the notify/push flow hands back (no healthy
-prefill engine, an engine that cannot run that mode), is served by the pull flow.
+the decider keeps on one engine is served by the pull flow; one the notify/push flow cannot
+run (no healthy prefill engine, an engine that cannot run that mode) too, from inside that
+flow.
 """
 
 from __future__ import annotations
@@ -69,10 +70,8 @@ class Orchestrator:
         t0 = record.arrival if record is not None else time.perf_counter()
         if not decision.disagg:
             return await self.pull.direct(req, t0)
-        result = await self.pd_flow.run(req, t0)
-        if result is None:  # the mode cannot serve it here: pull (or decode-only) does
-            return await self.pull.run(req, t0)
-        return result
+        # A request the mode cannot run here is served by the pull flow, inside the flow.
+        return await self.pd_flow.run(req, t0)
 
     async def tokenize(self, req: ClientRequest) -> None:
         """Fill `req.prompt_token_ids` (single prompts) and enforce the context length.

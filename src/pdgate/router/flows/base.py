@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -13,7 +13,7 @@ from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import Selector
 from pdgate.router.pool import EndpointPool, Role
 
-__all__ = ["Flow", "FlowParts", "StreamResult"]
+__all__ = ["Fallback", "Flow", "FlowParts", "StreamResult"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,7 +43,12 @@ class StreamResult:
 class Flow(Protocol):
     """One `--pd-mode`: serves a request the decider chose to disaggregate."""
 
-    async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult | None:
-        """JSON body bytes, a `StreamResult`, or None: "this request cannot run in this
-        mode here; serve it with the pull flow" (the orchestrator does)."""
+    async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult:
+        """JSON body bytes or a `StreamResult`. A request this mode cannot run here is
+        served by the flow's fallback (the pull flow), inside the flow layer."""
         ...
+
+
+Fallback = Callable[[ClientRequest, float], Awaitable[bytes | StreamResult]]
+"""How a notify/push flow serves a request its mode cannot run here: the pull flow's
+`run(req, t0)` (which serves it on a decode engine alone when no prefill engine is up)."""

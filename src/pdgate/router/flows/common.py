@@ -1,48 +1,31 @@
-"""Pieces shared by the notify and push flows: leg bodies, the prefill leg
-run off the critical path, engine KV info, best-effort aborts, and the decode relay.
-
-The `kv_transfer_params` keys below are the contract with the engine shim
-(typed and versioned in contract/kv_contract.py); vLLM engines ignore unknown keys but do not
-implement these flows, so a decode engine without `/v1/kv/reserve` makes notify fall back to
-pull (counted).
+"""Pieces shared by the flows: their metrics, the engines' KV info (cached per engine) and
+the one relay loop that streams D's answer to the client (TTFT, inter-token latency, usage
+rewritten and counted, a failure mid-stream ended with an error event).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from pdgate.router.engines.client import (
-    EngineClient,
-    EngineStream,
-    PrefillUsage,
-    extract_kv_params,
-    prefill_usage,
-    rewrite_usage,
-)
+from pdgate.contract.engine_replies import KVInfo
+from pdgate.router.engines.client import EngineClient
+from pdgate.router.engines.replies import PrefillUsage, rewrite_usage
 from pdgate.router.engines.sse import UsageRewriter, strip_usage_events
 from pdgate.router.errors import RouterError, error_json
-from pdgate.router.flows.bodies import decode_leg_body
-from pdgate.router.input.schema import ClientRequest
 from pdgate.router.metrics import RouterMetrics, StreamUsage
-from pdgate.router.pool import Endpoint, EndpointPool
-from pdgate.router.tracing import record_span, span
+from pdgate.router.pool import Endpoint
+from pdgate.router.tracing import record_span
 
-__all__ = ["ChunkSource", "FlowMetrics", "KVInfoCache", "PrefillLeg",
-           "open_continuation", "relay", "relay_chunks",
-           "rewrite_reply_usage"]
+__all__ = ["ChunkSource", "FlowMetrics", "KVInfoCache", "UsageSource", "relay",
+           "relay_chunks"]
 
 log = logging.getLogger(__name__)
-_json_encode = msgspec.json.Encoder().encode
-_json_decode = msgspec.json.Decoder().decode
 _DONE = b"data: [DONE]\n\n"
 
 
@@ -75,62 +58,6 @@ class FlowMetrics:
         )
 
 
-class PrefillLeg:
-    """The P leg as a background task: its reply is not on the critical path, but it is
-    always consumed (or cancelled with `cancel()`), and its failure is visible at once."""
-
-    def __init__(self, task: asyncio.Task[dict[str, Any]], ep: Endpoint, t0: float) -> None:
-        self.task = task
-        self.ep = ep
-        self.t0 = t0
-
-    @classmethod
-    def start(cls, pool: EndpointPool, engines: EngineClient, ep: Endpoint,
-              req: ClientRequest, body: bytes) -> PrefillLeg:
-        async def call() -> dict[str, Any]:
-            # The task copies the request's context, so the span is the request's child.
-            with pool.track(ep), span("prefill_leg", **{"pdgate.engine": ep.url}):
-                return await engines.post_json(ep.url, req.path, body, req.engine_headers)
-
-        task = asyncio.create_task(call(), name=f"prefill-{req.request_id}")
-        task.add_done_callback(_consume)
-        req.served_by["prefill"] = ep.url
-        return cls(task, ep, time.perf_counter())
-
-    def error(self) -> BaseException | None:
-        """The leg's exception once it failed (None while running or after success)."""
-        if not self.task.done() or self.task.cancelled():
-            return None
-        return self.task.exception()
-
-    def reply(self) -> dict[str, Any] | None:
-        """P's reply once it succeeded, else None."""
-        if not self.task.done() or self.task.cancelled() or self.task.exception():
-            return None
-        return self.task.result()
-
-    def kv_params(self) -> Any | None:
-        """P's reply `kv_transfer_params` once it succeeded, else None."""
-        if not self.task.done() or self.task.cancelled() or self.task.exception():
-            return None
-        return extract_kv_params(self.task.result())
-
-    def usage(self) -> PrefillUsage | None:
-        """P's usage once it answered (None while running, after failure or without)."""
-        if not self.task.done() or self.task.cancelled() or self.task.exception():
-            return None
-        return prefill_usage(self.task.result())
-
-    def cancel(self) -> None:
-        self.task.cancel()
-
-
-def _consume(task: asyncio.Task[Any]) -> None:
-    # A failed leg nobody awaits must not log "exception was never retrieved".
-    if not task.cancelled():
-        task.exception()
-
-
 class KVInfoCache:
     """Engine id and side channel of each engine (`POST /v1/kv/info`), fetched once per URL.
     An engine that restarts keeps its URL and side-channel port; its new NIXL agent is
@@ -138,12 +65,12 @@ class KVInfoCache:
 
     def __init__(self, engines: EngineClient) -> None:
         self._engines = engines
-        self._info: dict[str, dict[str, Any]] = {}
+        self._info: dict[str, KVInfo] = {}
 
-    async def get(self, ep: Endpoint, headers: Mapping[str, str]) -> dict[str, Any]:
+    async def get(self, ep: Endpoint, headers: Mapping[str, str]) -> KVInfo:
         info = self._info.get(ep.url)
         if info is None:
-            info = await self._engines.post_json(ep.url, "/v1/kv/info", b"{}", headers)
+            info = await self._engines.kv_info(ep.url, headers)
             self._info[ep.url] = info
         return info
 
@@ -151,37 +78,19 @@ class KVInfoCache:
         self._info.pop(ep.url, None)
 
 
-async def open_continuation(engines: EngineClient, req: ClientRequest, url: str,
-                            kv_params: dict[str, Any], stack: contextlib.ExitStack
-                            ) -> EngineStream:
-    """Open the decode leg that continues a stream the client already has (early first
-    token): the client's body with `kv_params` as its `kv_transfer_params`. The stream is
-    closed with `stack`."""
-    body = decode_leg_body(req.body, kv_params)
-    stream = await engines.open_stream(url, req.path, body, req.engine_headers)
-    stack.callback(stream.close)
-    return stream
-
-
 class ChunkSource(Protocol):
-    """An open decode stream (`EngineStream`, or one wrapped to watch the prefill leg)."""
+    """An open decode stream (`EngineStream`, or a stream that wraps one)."""
 
     def chunks(self) -> AsyncIterator[bytes]: ...
 
 
-def rewrite_reply_usage(raw: bytes, usage: PrefillUsage) -> bytes:
-    """A non-streaming decode reply with its usage billed from P (else unchanged)."""
-    try:
-        reply = _json_decode(raw)
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-        return raw
-    if isinstance(reply, dict) and isinstance(reply.get("usage"), dict):
-        rewrite_usage(reply["usage"], usage)
-        return _json_encode(reply)
-    return raw
+class UsageSource(Protocol):
+    """Where P's usage comes from once P answered (a prefill leg running in the background)."""
+
+    def usage(self) -> PrefillUsage | None: ...
 
 
-async def relay(stream: ChunkSource, prefill: PrefillLeg | None, metrics: RouterMetrics,
+async def relay(stream: ChunkSource, prefill: UsageSource | None, metrics: RouterMetrics,
                 t0: float, mode: str, rewrite: bool, client_wants_usage: bool
                 ) -> AsyncGenerator[bytes, None]:
     """D's SSE bytes as they arrive. With `rewrite`, usage chunks are billed from P's reply

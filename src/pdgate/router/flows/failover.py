@@ -154,17 +154,17 @@ async def choose_prefill(pool: EndpointPool, selector: Selector, ctx: PickContex
 
 async def run_or_pull(
     req: ClientRequest, run: Callable[[ClientRequest, Exclusions], Awaitable[T]],
-    parts: FlowParts,
-) -> T | None:
-    """A notify/push flow's `run`: `with_failover`, or None ("run the pull flow") when no
+    parts: FlowParts, pull: Callable[[ClientRequest], Awaitable[T]],
+) -> T:
+    """A notify/push flow's `run`: `with_failover`, or `pull(req)` (the pull flow) when no
     prefill engine is healthy or an attempt raised `PullInstead`."""
     if not parts.pool.healthy("prefill"):
-        return None
+        return await pull(req)
     try:
         return await with_failover(req, run, max_retries=parts.max_retries,
                                    retry_backoff_s=parts.retry_backoff_s, metrics=parts.metrics)
     except PullInstead:
-        return None
+        return await pull(req)
 
 
 async def run_leg(

@@ -6,14 +6,15 @@ register the KV-ready waiter → send P the prefill with D's blocks, side channe
 router's proxy endpoint (P's HTTP reply is not awaited: it runs in the background and only
 its failure matters) → await KV-ready (deadline `kv_ready_timeout_s`) → send D the decode
 leg naming the reservation. TTFT ≈ prefill + WRITE + one notification, no HTTP round trip
-and no serial READ between the legs. Streams that qualify (router/flows/early_token.py) do await
+and no serial READ between the legs. Streams that qualify (router/flows/early.py) do await
 P's reply: its token opens the client's stream at once (TTFT ≈ prefill + one hop) and the
 decode leg asks D to continue after it.
 
 Failures before the decode leg: P's error, a `failed` KV-ready, or the deadline end the
 request with a clear 502/504; P is told to abort and D's reservation is released, so no
 block stays pinned. P stopping early (no KV to push) and a decode engine that cannot reserve
-(not a shim) fall back: D computes the prompt itself / the pull flow runs (both counted).
+(not a shim) fall back: D computes the prompt itself / the pull flow serves the request
+(`fallback`; both counted).
 """
 
 from __future__ import annotations
@@ -26,8 +27,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import msgspec
-
+from pdgate.contract.engine_replies import KVReservation
 from pdgate.contract.kv_contract import Continuation, NotifyDecodeParams, NotifyPrefillParams
 from pdgate.proxy import (
     KVReadyTimeout,
@@ -37,6 +37,7 @@ from pdgate.proxy import (
     WaiterLimitExceeded,
     WaiterTable,
 )
+from pdgate.router.engines.replies import rewrite_reply_usage
 from pdgate.router.errors import (
     EngineError,
     EngineRejected,
@@ -44,16 +45,10 @@ from pdgate.router.errors import (
     Overloaded,
     RouterError,
 )
-from pdgate.router.flows.base import FlowParts, StreamResult
+from pdgate.router.flows.base import Fallback, FlowParts, StreamResult
 from pdgate.router.flows.bodies import decode_leg_body, prefill_leg_body, remote_prefill
-from pdgate.router.flows.common import (
-    FlowMetrics,
-    PrefillLeg,
-    open_continuation,
-    relay,
-    rewrite_reply_usage,
-)
-from pdgate.router.flows.early_token import eligible, first_token_ids, head_chunks
+from pdgate.router.flows.common import FlowMetrics, relay
+from pdgate.router.flows.early import EarlyStream, FirstTokenCheck, eligible, head_chunks
 from pdgate.router.flows.failover import (
     Exclusions,
     LegFailure,
@@ -61,6 +56,7 @@ from pdgate.router.flows.failover import (
     choose_prefill,
     run_or_pull,
 )
+from pdgate.router.flows.legs import PrefillLeg, open_continuation
 from pdgate.router.input.schema import ClientRequest
 from pdgate.router.policies import PickContext, choose
 from pdgate.router.pool import Endpoint
@@ -69,7 +65,6 @@ from pdgate.router.tracing import span
 __all__ = ["NotifyFlow"]
 
 log = logging.getLogger(__name__)
-_json_encode = msgspec.json.Encoder().encode
 MODE = "notify"
 _REPLY_AFTER_KV_S = 1.0  # P's reply trails its KV-ready notice by ~ms; past this, plain flow
 
@@ -78,19 +73,21 @@ class NotifyFlow:
     """Runs disaggregated requests in notify mode. Built once per app, in the lifespan."""
 
     def __init__(self, parts: FlowParts, proxy: NotifyServer, metrics: FlowMetrics,
-                 kv_ready_timeout_s: float, *,
-                 early_first_token: bool = True) -> None:
+                 kv_ready_timeout_s: float, fallback: Fallback, *,
+                 early: FirstTokenCheck | None = None) -> None:
         self.parts = parts
         self.proxy = proxy
         self.metrics = metrics
         self.aborter = parts.aborter
         self.timeout = kv_ready_timeout_s
-        self.early_first_token = early_first_token
+        self.fallback = fallback  # the pull flow: D cannot reserve, or no healthy P
+        self.early = early  # None: no early first token
 
-    async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult | None:
-        """Serve `req`; None means "run the pull flow": D cannot reserve, or no prefill
-        engine is healthy (pull then serves it on a decode engine alone, counted)."""
-        return await run_or_pull(req, lambda r, ex: self._attempt(r, ex, t0), self.parts)
+    async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult:
+        """Serve `req`; when D cannot reserve or no prefill engine is healthy, `fallback`
+        (the pull flow, which serves it on a decode engine alone if need be) does."""
+        return await run_or_pull(req, lambda r, ex: self._attempt(r, ex, t0), self.parts,
+                                 lambda r: self.fallback(r, t0))
 
     async def _attempt(self, req: ClientRequest, ex: Exclusions,
                        t0: float) -> bytes | StreamResult:
@@ -109,7 +106,7 @@ class NotifyFlow:
             raise
         wait = self._wait_kv(req, leg, p_ep, d_ep, slot, num_tokens)
         req.served_by["decode"] = d_ep.url
-        if req.stream and self.early_first_token and eligible(req):
+        if req.stream and self.early is not None and eligible(req):
             return await self._stream_early(req, d_ep, leg, asyncio.ensure_future(wait), t0)
         kv = await wait
         try:
@@ -120,7 +117,7 @@ class NotifyFlow:
             raise LegFailure("decode", d_ep, exc) from None
 
     async def _reserve_or_fail(self, d_ep: Endpoint, req: ClientRequest,
-                               n: int) -> dict[str, Any]:
+                               n: int) -> KVReservation:
         try:
             slot = await self._reserve(d_ep, req, n)
         except EngineRejected as exc:
@@ -133,12 +130,11 @@ class NotifyFlow:
         d_ep.health.record_success()
         return slot
 
-    async def _reserve(self, d_ep: Endpoint, req: ClientRequest, n: int) -> dict[str, Any]:
-        body = _json_encode({"request_id": req.request_id, "num_tokens": n})
+    async def _reserve(self, d_ep: Endpoint, req: ClientRequest, n: int) -> KVReservation:
         o = self.parts
         with o.pool.track(d_ep):
-            call = asyncio.ensure_future(o.engines.post_json(
-                d_ep.url, "/v1/kv/reserve", body, req.engine_headers))
+            call = asyncio.ensure_future(o.engines.kv_reserve(
+                d_ep.url, req.request_id, n, req.engine_headers))
             try:
                 return await asyncio.shield(call)
             except asyncio.CancelledError:
@@ -150,12 +146,12 @@ class NotifyFlow:
                 self.aborter.abort(d_ep.url, req.request_id, write_possible=False)
                 raise
 
-    def _release_reserved(self, call: asyncio.Future[dict[str, Any]], d_ep: Endpoint,
+    def _release_reserved(self, call: asyncio.Future[KVReservation], d_ep: Endpoint,
                           req: ClientRequest) -> None:
         if not call.cancelled() and call.exception() is None:
             self.aborter.abort(d_ep.url, req.request_id, write_possible=False)
 
-    def _dispatch(self, req: ClientRequest, p_ep: Endpoint, slot: dict[str, Any],
+    def _dispatch(self, req: ClientRequest, p_ep: Endpoint, slot: KVReservation,
                   n: int) -> PrefillLeg:
         """Register the KV-ready waiter, then send P the prefill leg naming D's blocks."""
         rid = req.request_id
@@ -169,9 +165,9 @@ class NotifyFlow:
             raise Overloaded("too many requests are waiting for their KV cache; retry",
                              reason="kv_waiters") from None
         body = prefill_leg_body(req.body, NotifyPrefillParams(
-            remote_engine_id=slot["engine_id"], remote_host=slot["host"],
-            remote_port=slot["port"], remote_agent_name=slot.get("agent_name"),
-            remote_block_ids=slot["block_ids"], reservation_id=slot["reservation_id"],
+            remote_engine_id=slot.engine_id, remote_host=slot.host,
+            remote_port=slot.port, remote_agent_name=slot.agent_name,
+            remote_block_ids=slot.block_ids, reservation_id=slot.reservation_id,
             num_tokens=n, notify_endpoint=self.proxy.advertised_endpoint,
             notify_request_id=rid, notify_token=token,
             # Past this (wall clock) P must not start writing: D's blocks are going away.
@@ -184,7 +180,7 @@ class NotifyFlow:
         return leg
 
     async def _wait_kv(self, req: ClientRequest, leg: PrefillLeg, p_ep: Endpoint,
-                       d_ep: Endpoint, slot: dict[str, Any], n: int) -> _Leg:
+                       d_ep: Endpoint, slot: KVReservation, n: int) -> _Leg:
         """Wait for KV-ready. Returns how to run the decode leg; on failure cleans up both
         sides and raises (or falls back, see `_failed`)."""
         rid = req.request_id
@@ -199,7 +195,7 @@ class NotifyFlow:
         p_ep.health.record_success()
         self.metrics.kv_wait.labels(MODE).observe(time.perf_counter() - leg.t0)
         o.metrics.prefill_duration.observe(time.perf_counter() - leg.t0)
-        return _Leg(leg, NotifyDecodeParams(reservation_id=slot["reservation_id"],
+        return _Leg(leg, NotifyDecodeParams(reservation_id=slot.reservation_id,
                                             num_tokens=n).to_params())
 
     def _failed(self, req: ClientRequest, leg: PrefillLeg, p_ep: Endpoint, d_ep: Endpoint,
@@ -276,8 +272,10 @@ class NotifyFlow:
     async def _stream_early(self, req: ClientRequest, d_ep: Endpoint, leg: PrefillLeg,
                             wait: asyncio.Future[_Leg], t0: float) -> StreamResult:
         """Open the client's stream with P's token as soon as P answers, then relay D's
-        continuation (router/flows/early_token.py). P's reply not allowing it (no push, an early
-        stop, an engine without `first_token_ids`): the plain stream."""
+        continuation once KV-ready is in (router/flows/early.py). P's reply not allowing it
+        (no push, an early stop, no `first_token_ids`, a token that fails its check): the
+        plain stream. Should the KV never arrive, D recomputes the prompt and still
+        continues after P's token: the client already has it."""
         try:
             first: set[asyncio.Future[Any]] = {leg.task, wait}
             await asyncio.wait(first, return_when=asyncio.FIRST_COMPLETED)
@@ -288,69 +286,48 @@ class NotifyFlow:
             wait.cancel()  # frees D's reservation and P's side (`_failed`)
             raise
         reply = leg.reply()
-        ids = first_token_ids(reply) if reply is not None else None
-        if reply is None or ids is None:
+        assert self.early is not None
+        token = self.early.pushed(req, reply) if reply is not None else None
+        if token is None:
             return await self._open_decode(req, d_ep, await wait, t0)
-        head = head_chunks(reply, req.kind == "chat", req.wants_usage_chunks)
-        source = _EarlyStream(self, req, d_ep, head, ids, wait)
-        chunks = relay(source, leg, self.parts.metrics, t0, MODE, True,
-                       req.wants_usage_chunks)
+        ids = token.token_ids
+        o, rid = self.parts, req.request_id
+
+        async def rest(stack: contextlib.ExitStack) -> AsyncIterator[bytes]:
+            params = await self._continue_params(req, wait, ids)
+            stack.enter_context(o.pool.track(d_ep))
+            stream = await open_continuation(o.engines, req, d_ep.url, params, stack)
+            return stream.chunks()
+
+        def on_close(source: EarlyStream) -> None:
+            if not wait.done():
+                wait.cancel()  # frees D's reservation and P's side (`_failed`)
+            elif not source.finished and not wait.cancelled() and wait.exception() is None:
+                # KV landed but the decode leg never claimed it, or was cut before D
+                # admitted it: D would hold the reservation until it expires.
+                self.aborter.abort(d_ep.url, rid)
+
+        head = head_chunks(token, req.kind == "chat", req.wants_usage_chunks)
+        source = EarlyStream(head, rest, on_close)
+        chunks = relay(source, leg, o.metrics, t0, MODE, True, req.wants_usage_chunks)
         return StreamResult(chunks, source.close)
 
-
-class _EarlyStream:
-    """The client's stream in early-token mode: P's token first, then (once KV-ready is in)
-    D's continuation after it. Should the KV never arrive, D recomputes the prompt and still
-    continues after P's token: the client already has it."""
-
-    def __init__(self, flow: NotifyFlow, req: ClientRequest, d_ep: Endpoint, head: bytes,
-                 ids: list[int], wait: asyncio.Future[_Leg]) -> None:
-        self._flow = flow
-        self._req = req
-        self._d_ep = d_ep
-        self._head = head
-        self._ids = ids
-        self._wait = wait
-        self._stack = contextlib.ExitStack()
-        self._finished = False  # D's continuation ran to its end
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        if self._head:
-            yield self._head
-        params = await self._decode_params()
-        o = self._flow.parts
-        self._stack.enter_context(o.pool.track(self._d_ep))
-        stream = await open_continuation(o.engines, self._req, self._d_ep.url, params,
-                                         self._stack)
-        async for chunk in stream.chunks():
-            yield chunk
-        self._finished = True
-
-    async def _decode_params(self) -> dict[str, Any]:
-        flow = self._flow
+    async def _continue_params(self, req: ClientRequest, wait: asyncio.Future[_Leg],
+                               ids: list[int]) -> dict[str, Any]:
+        """D's params to continue after P's token: the reservation P wrote into, or none
+        (D recomputes) when the KV was lost."""
         try:
-            kv: dict[str, Any] | None = (await self._wait).params
+            kv: dict[str, Any] | None = (await wait).params
         except RouterError as exc:  # cleaned up by `_failed`; the client has P's token
             log.warning("request %s: KV from the prefill engine was lost after its first "
                         "token was sent (%s); the decode engine recomputes the prompt",
-                        self._req.request_id, exc.message)
+                        req.request_id, exc.message)
             kv = None
         if kv is None:
-            flow.metrics.early_tokens.labels("recompute").inc()
-            return Continuation(first_token_ids=self._ids).to_params()
-        flow.metrics.early_tokens.labels("kv").inc()
-        return remote_prefill({**kv, **Continuation(first_token_ids=self._ids).to_params()})
-
-    def close(self) -> None:
-        self._stack.close()
-        if not self._wait.done():
-            self._wait.cancel()  # frees D's reservation and P's side (`_failed`)
-        elif not self._finished and not self._wait.cancelled() and \
-                self._wait.exception() is None:
-            # KV landed but the decode leg never claimed it, or was cut before D admitted
-            # it: D would hold the reservation until it expires.
-            req = self._req
-            self._flow.aborter.abort(self._d_ep.url, req.request_id)
+            self.metrics.early_tokens.labels("recompute").inc()
+            return Continuation(first_token_ids=ids).to_params()
+        self.metrics.early_tokens.labels("kv").inc()
+        return remote_prefill({**kv, **Continuation(first_token_ids=ids).to_params()})
 
 
 class _Leg:
@@ -362,7 +339,6 @@ class _Leg:
 
 
 def _cancel_unless_pushed(leg: PrefillLeg, waiters: WaiterTable, rid: str) -> None:
-    params = leg.kv_params()
-    if leg.error() is not None or leg.task.cancelled() or not (
-            isinstance(params, dict) and params.get("pdgate_mode") == MODE):
+    reply = leg.reply()
+    if reply is None or not reply.pushed(MODE):
         waiters.cancel(rid)

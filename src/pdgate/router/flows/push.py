@@ -5,7 +5,7 @@ for a push; D's leg names P's engine id and side channel (`POST /v1/kv/info`, ca
 engine). D allocates the prompt's blocks and registers them with P over NIXL; P WRITEs as
 soon as its prefill is done and D's registration is there (either may come first); D
 decodes when the KV has landed. TTFT ≈ max(prefill, D's admission) + WRITE; for streams
-that qualify (router/flows/early_token.py) the client gets P's own token when P answers and D
+that qualify (router/flows/early.py) the client gets P's own token when P answers and D
 continues after it (D learns it from P's landed notice), so TTFT ≈ prefill + one hop.
 
 The P leg is watched until it answers: if it fails, the decode leg is cancelled (D drops its
@@ -35,18 +35,19 @@ from typing import Any, TypeVar
 
 from pdgate.contract.kv_contract import Continuation, PushDecodeParams, PushPrefillParams
 from pdgate.router.engines.client import EngineStream
+from pdgate.router.engines.replies import rewrite_reply_usage
 from pdgate.router.errors import EngineError, EngineTimeout, RouterError
-from pdgate.router.flows.base import FlowParts, StreamResult
+from pdgate.router.flows.base import Fallback, FlowParts, StreamResult
 from pdgate.router.flows.bodies import decode_leg_body, prefill_leg_body, remote_prefill
-from pdgate.router.flows.common import (
-    FlowMetrics,
-    KVInfoCache,
-    PrefillLeg,
-    open_continuation,
-    relay,
-    rewrite_reply_usage,
+from pdgate.router.flows.common import FlowMetrics, KVInfoCache, relay
+from pdgate.router.flows.early import (
+    ASK_TOKEN_IDS,
+    EarlyStream,
+    FirstTokenCheck,
+    eligible,
+    head_chunks,
+    wants_early,
 )
-from pdgate.router.flows.early_token import eligible, first_token_ids, head_chunks
 from pdgate.router.flows.failover import (
     Exclusions,
     LegFailure,
@@ -54,8 +55,7 @@ from pdgate.router.flows.failover import (
     choose_prefill,
     run_or_pull,
 )
-from pdgate.router.flows.pull import PrefillOutcome, PullFlow
-from pdgate.router.flows.pull_early import ASK_TOKEN_IDS, first_token, wants_early
+from pdgate.router.flows.legs import DecodeLeg, PrefillLeg, PrefillOutcome, open_continuation
 from pdgate.router.flows.push_identity import (
     Learned,
     PushPeers,
@@ -80,20 +80,27 @@ class PushFlow:
     """Runs disaggregated requests in push mode. Built once per app, in the lifespan."""
 
     def __init__(self, parts: FlowParts, metrics: FlowMetrics, info: KVInfoCache,
-                 pull: PullFlow, *, early_first_token: bool = True,
-                 kv_wait_s: float = 30.0) -> None:
+                 decode: DecodeLeg, fallback: Fallback, *,
+                 early: FirstTokenCheck | None = None, kv_wait_s: float = 30.0) -> None:
         self.kv_wait_s = kv_wait_s  # D stops waiting for P's push after this (push_deadline)
         self.parts = parts
-        self.pull = pull  # its early-token stream serves vLLM engines' early tokens
+        self.decode = decode  # D's leg after P answered (vLLM engines' early tokens)
+        self.fallback = fallback  # the pull flow: P cannot push, or no healthy P
         self.metrics = metrics
         self.aborter = parts.aborter
         self.peers = PushPeers(info)
-        self.early_first_token = early_first_token
+        self.early = early  # None: no early first token
 
-    async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult | None:
-        """Serve `req`; None means "run the pull flow": P cannot push, or no prefill engine
-        is healthy (pull then serves it on a decode engine alone, counted)."""
-        return await run_or_pull(req, lambda r, ex: self._attempt(r, ex, t0), self.parts)
+    async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult:
+        """Serve `req`; when P cannot push or no prefill engine is healthy, `fallback`
+        (the pull flow, which serves it on a decode engine alone if need be) does."""
+        return await run_or_pull(req, lambda r, ex: self._attempt(r, ex, t0), self.parts,
+                                 lambda r: self.fallback(r, t0))
+
+    def _watch(self, req: ClientRequest, leg: PrefillLeg, p_ep: Endpoint, d_ep: Endpoint,
+               *, vllm: bool = False, sent: VllmIdentity | None = None) -> _Watch:
+        return _Watch(self.parts, self.metrics, self.peers, req, leg, p_ep, d_ep,
+                      vllm=vllm, sent=sent)
 
     async def _attempt(self, req: ClientRequest, ex: Exclusions,
                        t0: float) -> bytes | StreamResult:
@@ -110,12 +117,11 @@ class PushFlow:
         n = len(req.prompt_token_ids or ())
         # P's landed notice names its token: D can continue after it, so the client may
         # get it from P's reply at once (router/flows/early_token.py).
-        early = req.stream and self.early_first_token and info.get("landed_tokens") is True \
-            and eligible(req)
+        early = req.stream and self.early is not None and info.landed_tokens and eligible(req)
         p_body = prefill_leg_body(req.body, PushPrefillParams(num_tokens=n).to_params())
         d_params = PushDecodeParams(
-            remote_engine_id=info["engine_id"], remote_host=info["host"],
-            remote_port=info["port"], remote_agent_name=info.get("agent_name"), num_tokens=n,
+            remote_engine_id=info.engine_id, remote_host=info.host,
+            remote_port=info.port, remote_agent_name=info.agent_name, num_tokens=n,
             # Wall clock past which D stops waiting for P's KV (fails or recomputes, per its
             # --kv-load-failure-policy) instead of its own longer transfer timeout.
             push_deadline=time.time() + self.kv_wait_s, continue_after_prefill=bool(early),
@@ -123,7 +129,7 @@ class PushFlow:
         d_body = decode_leg_body(req.body, remote_prefill(d_params))
         leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, p_body)
         req.served_by["decode"] = d_ep.url
-        watch = _Watch(self, req, leg, p_ep, d_ep)
+        watch = self._watch(req, leg, p_ep, d_ep)
         try:
             if early:
                 return await self._stream_early(req, d_ep, d_body, watch, t0)
@@ -149,11 +155,11 @@ class PushFlow:
         """One try with a vLLM prefill engine: both legs at once when its identity is
         known, else P first (D's leg then names the identity P answered)."""
         o = self.parts
-        if req.stream and self.early_first_token and wants_early(req):
+        if req.stream and self.early is not None and wants_early(req):
             return await self._vllm_early(req, p_ep, d_ep, t0)
         leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, prefill_leg_body(req.body))
         req.served_by["decode"] = d_ep.url
-        watch = _Watch(self, req, leg, p_ep, d_ep, vllm=True, sent=identity)
+        watch = self._watch(req, leg, p_ep, d_ep, vllm=True, sent=identity)
         try:
             if identity is None:
                 d_params = await watch.answer()
@@ -183,21 +189,23 @@ class PushFlow:
         gets P's token at once, and D continues after it (prompt ids plus that token) with
         P's identity, registering its blocks with P, which holds the prompt's KV for that
         registration. vLLM's D loads the prompt's KV and computes P's token itself, so the
-        greedy stream is the colocated one. The pull flow's early stream runs the rest (its
+        greedy stream is the colocated one. The decode leg's early stream runs the rest (its
         retries, aborts and billing). P answering without a usable token: D continues the
         prompt without it, named as P answered."""
         o = self.parts
         body = prefill_leg_body({**req.body, ASK_TOKEN_IDS: True})
         leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, body)
-        watch = _Watch(self, req, leg, p_ep, d_ep, vllm=True)
+        watch = self._watch(req, leg, p_ep, d_ep, vllm=True)
         d_params = await watch.answer()  # P's failure: LegFailure (retried on another P)
         reply = leg.reply()
-        first = first_token(reply) if reply is not None and d_params is not None else None
+        assert self.early is not None
+        first = self.early.listed(req, reply) if reply is not None and d_params is not None \
+            else None
         outcome = PrefillOutcome(d_params, leg.usage(), first)
         req.served_by["decode"] = d_ep.url
         if first is None:
-            return await self.pull.open_decode(req, outcome, t0, MODE)
-        return await self.pull.stream_early(req, outcome, first, t0, d_ep, MODE)
+            return await self.decode.open(req, outcome, t0, MODE)
+        return await self.decode.stream_early(req, outcome, first, t0, d_ep, MODE)
 
     async def _run_decode(self, req: ClientRequest, d_ep: Endpoint, body: bytes,
                           watch: _Watch, t0: float) -> bytes:
@@ -248,7 +256,7 @@ class PushFlow:
                        req.wants_usage_chunks)
         return StreamResult(chunks, stack.close)
 
-    def _release_prefill_unless(self, source: _WatchedStream | _Continuation,
+    def _release_prefill_unless(self, source: _WatchedStream | EarlyStream,
                                 watch: _Watch) -> None:
         """On the stream's close: unless D's stream ran to its end (so the push happened, or
         D gave up on it), P may still hold the prompt's blocks for a registration that will
@@ -272,55 +280,38 @@ class PushFlow:
             self.aborter.abort(watch.p_ep.url, req.request_id)
             raise
         reply = watch.leg.reply()
-        ids = first_token_ids(reply) if watch.pushed and reply is not None else None
-        if reply is None or ids is None:  # D waits for a token P will not name
+        assert self.early is not None
+        token = self.early.pushed(req, reply) if watch.pushed and reply is not None else None
+        if token is None:  # D waits for a token P will not name
             stack.close()
             self.aborter.abort(d_ep.url, req.request_id)
             return await self._open_decode(req, d_ep, decode_leg_body(req.body, None),
                                            watch, t0)
-        head = head_chunks(reply, req.kind == "chat", req.wants_usage_chunks)
-        source = _Continuation(self, req, d_ep, head, ids, stream, stack)
+        ids = token.token_ids
+
+        async def rest(inner: contextlib.ExitStack) -> AsyncIterator[bytes]:
+            """D's stream continuing after P's token; its first event being an error (the
+            push did not land, or named no token) makes D recompute the prompt and
+            continue after P's token on a fresh leg."""
+            try:
+                await stream.check_start(o.engines.first_byte_timeout_s)
+                self.metrics.early_tokens.labels("kv").inc()
+                return stream.chunks()
+            except RouterError as exc:
+                log.warning("request %s: decode engine could not continue after the "
+                            "prefill engine's token with its KV (%s); recomputing",
+                            req.request_id, exc.message)
+            self.metrics.early_tokens.labels("recompute").inc()
+            again = Continuation(first_token_ids=ids).to_params()
+            fresh = await open_continuation(o.engines, req, d_ep.url, again, stack)
+            return fresh.chunks()
+
+        head = head_chunks(token, req.kind == "chat", req.wants_usage_chunks)
+        source = EarlyStream(head, rest)
         stack.callback(self._release_prefill_unless, source, watch)
         chunks = relay(source, watch.leg, o.metrics, t0, MODE, True,
                        req.wants_usage_chunks)
         return StreamResult(chunks, stack.close)
-
-
-class _Continuation:
-    """The client's stream in early-token push mode: P's token, then D's stream continuing
-    after it. D's first event being an error (the push did not land, or named no token)
-    makes D recompute the prompt and continue after P's token on a fresh leg."""
-
-    def __init__(self, flow: PushFlow, req: ClientRequest, d_ep: Endpoint, head: bytes,
-                 ids: list[int], stream: EngineStream, stack: contextlib.ExitStack) -> None:
-        self._flow = flow
-        self._req = req
-        self._d_ep = d_ep
-        self._head = head
-        self._ids = ids
-        self._stream = stream
-        self._stack = stack
-        self.finished = False  # D's stream was read to its end
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        if self._head:
-            yield self._head
-        o, req, metrics = self._flow.parts, self._req, self._flow.metrics
-        stream = self._stream
-        try:
-            await stream.check_start(o.engines.first_byte_timeout_s)
-            metrics.early_tokens.labels("kv").inc()
-        except RouterError as exc:
-            log.warning("request %s: decode engine could not continue after the prefill "
-                        "engine's token with its KV (%s); recomputing", req.request_id,
-                        exc.message)
-            metrics.early_tokens.labels("recompute").inc()
-            again = Continuation(first_token_ids=self._ids).to_params()
-            stream = await open_continuation(o.engines, req, self._d_ep.url, again,
-                                             self._stack)
-        async for chunk in stream.chunks():
-            yield chunk
-        self.finished = True
 
 
 class _Redrive(Exception):  # noqa: N818 -- a signal, not an error
@@ -335,10 +326,10 @@ class _Watch:
     """Runs a decode-leg step while watching the prefill leg (see the module docstring).
     `vllm`: P is a vLLM engine and `sent` the identity D's leg names (None: not out yet)."""
 
-    def __init__(self, flow: PushFlow, req: ClientRequest, leg: PrefillLeg, p_ep: Endpoint,
-                 d_ep: Endpoint, *, vllm: bool = False, sent: VllmIdentity | None = None
-                 ) -> None:
-        self.flow = flow
+    def __init__(self, parts: FlowParts, metrics: FlowMetrics, peers: PushPeers,
+                 req: ClientRequest, leg: PrefillLeg, p_ep: Endpoint, d_ep: Endpoint, *,
+                 vllm: bool = False, sent: VllmIdentity | None = None) -> None:
+        self.parts, self.metrics, self.peers = parts, metrics, peers
         self.req = req
         self.leg = leg
         self.p_ep = p_ep
@@ -398,7 +389,7 @@ class _Watch:
     def _release(self, step: asyncio.Task[Any]) -> None:
         step.cancel()
         self.leg.cancel()
-        self.flow.aborter.abort(self.p_ep.url, self.req.request_id)
+        self.parts.aborter.abort(self.p_ep.url, self.req.request_id)
 
     async def _answer_after_failure(self) -> None:
         """vLLM: D failed before P answered. D's leg may have named a stale identity (P
@@ -419,30 +410,30 @@ class _Watch:
             raise LegFailure("prefill", self.p_ep, EngineError(
                 f"prefill leg on {self.p_ep.url} was cancelled"))
         if failure is not None:
-            self.flow.metrics.flow_failures.labels(MODE, "prefill_failed").inc()
+            self.metrics.flow_failures.labels(MODE, "prefill_failed").inc()
             if not isinstance(failure, RouterError):
                 failure = EngineError(f"prefill leg on {self.p_ep.url} failed: {failure!r}")
             raise LegFailure("prefill", self.p_ep, failure)
         self.p_ep.health.record_success()
         self._settled = True
-        params = self.leg.kv_params()
-        self.flow.parts.metrics.prefill_duration.observe(time.perf_counter() - self.leg.t0)
+        reply = self.leg.reply()
+        self.parts.metrics.prefill_duration.observe(time.perf_counter() - self.leg.t0)
         if self.vllm:
-            self._settle_vllm(params)
+            self._settle_vllm(reply.kv_params if reply is not None else None)
             return
-        self.pushed = isinstance(params, dict) and params.get("pdgate_mode") == MODE
+        self.pushed = reply is not None and reply.pushed(MODE)
         if not self.pushed:
-            self.flow.parts.metrics.count_fallback("no_kv_push")
-            self.flow.aborter.abort(self.d_ep.url, self.req.request_id)
+            self.parts.metrics.count_fallback("no_kv_push")
+            self.parts.aborter.abort(self.d_ep.url, self.req.request_id)
 
     def _settle_vllm(self, params: Any) -> None:
-        learned, d_params = self.flow.peers.answer(self.p_ep, params, self.sent, self.req)
+        learned, d_params = self.peers.answer(self.p_ep, params, self.sent, self.req)
         self.pushed = learned in (Learned.SAME, Learned.CHANGED)
         if learned is Learned.SAME:
             return
         if not self.pushed:  # D reads the KV (a pull answer) or computes the prompt
             reason = "no_push" if learned is Learned.PULL else "no_kv_push"
-            self.flow.parts.metrics.count_fallback(reason)
+            self.parts.metrics.count_fallback(reason)
         self.d_params = d_params
         if self.redrive_ok:
             raise _Redrive(d_params, f"the prefill engine answered {learned.value}")

@@ -41,6 +41,7 @@ __all__ = ["Learned", "PushPeers", "ShimPeer", "VllmIdentity", "VllmPeer",
 
 
 class VllmIdentity(msgspec.Struct, frozen=True):
+from pdgate.contract.engine_replies import KVInfo
     """What a vLLM decode engine needs to find a NixlPushConnector prefill engine."""
 
     engine_id: str
@@ -90,7 +91,7 @@ def vllm_request_id(req: ClientRequest) -> str:
 class ShimPeer:
     """A shim prefill engine: its `POST /v1/kv/info` answer."""
 
-    info: dict[str, Any]
+    info: KVInfo
 
 
 @dataclass(frozen=True, slots=True)

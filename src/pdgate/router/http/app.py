@@ -164,7 +164,7 @@ async def _serving_state(
         stack.push_async_callback(aborter.aclose)  # waits for pending KV aborts, bounded
         parts = FlowParts(pool, engines, {"prefill": routing.prefill, "decode": routing.decode},
                           metrics, aborter, config.max_retries, config.retry_backoff_s)
-        pull, pd_flow = await open_flows(config, parts, registry, stack)
+        pull, pd_flow = await open_flows(config, parts, registry, stack, tokenizer)
         orchestrator = Orchestrator(tokenizer, metrics, pull, pd_flow, routing.decider,
                                     tokenize_prompts=tokenize_prompts, limits=limits)
         yield RouterState(config, metrics, registry, pool, orchestrator, int(time.time()),

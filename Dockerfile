@@ -25,11 +25,15 @@ annotated-doc==0.0.7
 annotated-types==0.8.0
 anyio==4.16.0
 attrs==26.1.0
+certifi==2026.10.19.post1
+charset-normalizer==3.5.3
 click==8.5.1
 fastapi==0.165.0
 filelock==4.3.1
 frozenlist==1.8.0
 fsspec==2026.9.0
+googleapis-common-protos==1.76.0
+grpcio==1.85.3
 h11==0.16.0
 hf-xet==1.8.0
 httpcore2==2.16.2
@@ -45,9 +49,18 @@ msgspec==0.22.0
 multidict==7.2.1
 numpy==2.4.6
 opentelemetry-api==1.45.2
+opentelemetry-exporter-http-transport==0.66b2
+opentelemetry-exporter-otlp-common==0.66b2
+opentelemetry-exporter-otlp-proto-common==1.45.2
+opentelemetry-exporter-otlp-proto-grpc==1.45.2
+opentelemetry-exporter-otlp-proto-http==1.45.2
+opentelemetry-proto==1.45.2
+opentelemetry-sdk==1.45.2
+opentelemetry-semantic-conventions==0.66b2
 packaging==26.4
 prometheus-client==0.26.0
 propcache==0.5.4
+protobuf==7.36.2
 pydantic==2.14.4
 pydantic-core==2.50.5
 pygments==2.21.0
@@ -55,6 +68,7 @@ python-dotenv==1.2.4
 pyyaml==6.0.4
 pyzmq==27.3.0
 regex==2026.11.19
+requests==2.34.2
 rich==15.0.0
 safetensors==0.8.0
 shellingham==1.5.4
@@ -67,6 +81,7 @@ truststore==0.10.5
 typer==0.29.2
 typing-extensions==4.16.0
 typing-inspection==0.4.5
+urllib3==2.8.0
 uvicorn==0.54.0
 uvloop==0.23.0
 watchfiles==1.3.0
@@ -81,9 +96,12 @@ COPY src/pdgate/contract ./src/pdgate/contract
 COPY src/pdgate/common ./src/pdgate/common
 # Only the router's packages are copied, so the wheel has no engine_shim and the image
 # cannot import torch or nixl even by accident (tests/deploy/test_wheel.py builds this list).
+# The otel extra (both OTLP exporters) is in both images: tracing is switched on by
+# configuration alone (common/tracing.py).
 RUN python -m venv /opt/pdgate \
- && /opt/pdgate/bin/pip install --constraint constraints-router.txt . \
+ && /opt/pdgate/bin/pip install --constraint constraints-router.txt '.[otel]' \
  && /opt/pdgate/bin/python -c "import pdgate.router.http.app, pdgate.proxy; import importlib.util as u; \
+import opentelemetry.exporter.otlp.proto.grpc.trace_exporter, opentelemetry.exporter.otlp.proto.http.trace_exporter; \
 assert u.find_spec('torch') is None and u.find_spec('nixl') is None"
 
 # ---------------------------------------------------------------- router: runtime image
@@ -129,7 +147,7 @@ COPY src/pdgate/common ./src/pdgate/common
 RUN python3 -m venv /opt/pdgate \
  && /opt/pdgate/bin/pip install --index-url ${TORCH_INDEX_URL} torch==2.13.0 \
  && /opt/pdgate/bin/pip install --constraint constraints-shim.txt \
-        --constraint constraints-router.txt nixl-cu13 safetensors numpy . \
+        --constraint constraints-router.txt nixl-cu13 safetensors numpy '.[otel]' \
  && /opt/pdgate/bin/pip install --no-deps . \
  && rm -rf /src
 ENV PATH=/opt/pdgate/bin:$PATH \

@@ -251,3 +251,21 @@ def test_pins_cover_and_satisfy_pyproject(
         assert shim_extra[name].specifier.contains(shim_pins[name])
     torch_runs = [i.args for i in stages["shim"].all("RUN") if "torch==" in i.args]
     assert torch_runs and f"torch=={shim_pins['torch']}" in torch_runs[0]
+
+
+@pytest.mark.parametrize("stage_name", ["router-build", "shim"])
+def test_both_images_install_the_otel_extra_pinned(
+    dockerfile: tuple[dict[str, str], dict[str, Stage]], stage_name: str,
+) -> None:
+    """Tracing is switched on by configuration alone (both OTLP exporters in the image)."""
+    _, stages = dockerfile
+    installs = [i.args for i in stages[stage_name].all("RUN") if "pip install" in i.args]
+    assert any("'.[otel]'" in args for args in installs), installs
+    router_pins = pins(heredoc(stages["router-build"], "constraints-router.txt"))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    otel = [Requirement(s) for s in project["optional-dependencies"]["otel"]]
+    assert {r.name for r in otel} >= {"opentelemetry-exporter-otlp-proto-http",
+                                      "opentelemetry-exporter-otlp-proto-grpc"}
+    for req in otel:
+        assert req.name in router_pins, f"{req.name} is not pinned"
+        assert req.specifier.contains(router_pins[req.name]), req

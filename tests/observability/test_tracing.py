@@ -6,84 +6,21 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
 from tests.e2e.cluster import Cluster, start_cluster
+from tests.observability.otlp import HttpReceiver as Receiver
+from tests.observability.otlp import Span
 
 pytestmark = pytest.mark.slow
-trace_service_pb2 = pytest.importorskip(
-    "opentelemetry.proto.collector.trace.v1.trace_service_pb2",
-    reason="the otel extra is not installed (pip install -e '.[otel]')")
 
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
-
-
-@dataclass
-class Span:
-    service: str
-    name: str
-    trace_id: str
-    span_id: str
-    parent_id: str
-    attributes: dict[str, Any]
-    start_ns: int = 0
-    end_ns: int = 0
-
-
-class Receiver:
-    """An OTLP/HTTP traces endpoint (protobuf) on 127.0.0.1 that keeps every span."""
-
-    def __init__(self) -> None:
-        self.spans: list[Span] = []
-        received = self.spans
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                request = trace_service_pb2.ExportTraceServiceRequest()
-                request.ParseFromString(body)
-                for rs in request.resource_spans:
-                    res = {a.key: a.value.string_value for a in rs.resource.attributes}
-                    for ss in rs.scope_spans:
-                        for s in ss.spans:
-                            attrs = {a.key: _value(a.value) for a in s.attributes}
-                            received.append(Span(
-                                res["service.name"], s.name, s.trace_id.hex(),
-                                s.span_id.hex(), s.parent_span_id.hex(), attrs,
-                                s.start_time_unix_nano, s.end_time_unix_nano))
-                reply = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def _value(v: Any) -> Any:
-    kind = v.WhichOneof("value")
-    return getattr(v, kind) if kind else None
 
 
 @pytest.fixture(scope="module")
@@ -109,13 +46,7 @@ def traced(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 def spans_of(receiver: Receiver, trace_id: str, want: int) -> list[Span]:
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        found = [s for s in receiver.spans if s.trace_id == trace_id]
-        if len(found) >= want:
-            return found
-        time.sleep(0.1)
-    return [s for s in receiver.spans if s.trace_id == trace_id]
+    return receiver.of_trace(trace_id, want)
 
 
 def test_one_trace_from_the_client_through_the_router_to_both_legs(

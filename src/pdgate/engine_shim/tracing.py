@@ -1,6 +1,7 @@
 """The shim's OpenTelemetry tracing (common/tracing.py does the work): one SERVER span per
 HTTP request, continuing the router's `traceparent`, so each engine leg hangs under the
-router's request span. Off unless `--otlp-traces-endpoint` or the OTEL_* environment asks.
+router's request span. Off unless `--otlp-traces-endpoint` or the OTEL_* environment asks
+(common/tracing.py: which variables are honoured; never an exit when it cannot run).
 
 Inside a request: `tokenize` (server.py; a text prompt, or a chat rendered by its template,
 to token ids), then in engine.py `queue` (admission: waiting for KV blocks), `await_reader`
@@ -19,13 +20,8 @@ from typing import Any
 
 from starlette.types import ASGIApp
 
-from pdgate.common.tracing import (
-    Tracing,
-    TracingMiddleware,
-    record_span,
-    request_span,
-    tracing_requested,
-)
+from pdgate.common import tracing as common
+from pdgate.common.tracing import Tracing, TracingMiddleware, record_span, request_span
 from pdgate.engine_shim.logs import current_request_id
 
 __all__ = ["annotate", "open_tracing", "record_span", "span", "traced"]
@@ -38,11 +34,10 @@ _UNTRACED = frozenset({"/health", "/metrics"})
 
 def open_tracing(endpoint: str | None, engine_id: str,
                  environ: Mapping[str, str]) -> Tracing | None:
-    """The engine's tracer, or None when tracing is off. Raises `TracingUnavailable` when
-    it is asked for without the OpenTelemetry SDK. Call `shutdown()` at exit."""
-    if not tracing_requested(endpoint, environ):
-        return None
-    return Tracing(SERVICE, endpoint, {"service.instance.id": engine_id})
+    """The engine's tracer, or None when tracing is off or cannot run here (asked for
+    without the OpenTelemetry SDK: one warning, and the engine serves untraced). Call
+    `shutdown()` at exit."""
+    return common.open_tracing(SERVICE, endpoint, environ, {"service.instance.id": engine_id})
 
 
 def traced(app: ASGIApp, tracing: Tracing | None) -> ASGIApp:

@@ -14,17 +14,20 @@ import signal
 import socket
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 import msgspec
 
+from pdgate.router import __version__
+from pdgate.router.cli_vllm import add_vllm_router_flags, prefill_urls, vllm_router_overrides
 from pdgate.router.config import ConfigError, RouterConfig, load_config
 from pdgate.router.logs import setup_logging
 from pdgate.router.settings_env import env_overrides
 
 __all__ = ["build_parser", "main"]
 
-_DEFAULTS = {f.name: f.default for f in msgspec.structs.fields(RouterConfig)}
+_DEFAULTS = {f.name: f.default if f.default_factory is msgspec.NODEFAULT else f.default_factory()
+             for f in msgspec.structs.fields(RouterConfig)}
 
 _METAVARS = {
     "model": "PATH_OR_NAME", "tokenizer": "PATH_OR_NAME", "prefill": "URL", "decode": "URL",
@@ -38,12 +41,15 @@ _METAVARS = {
     "kv_events": "URL=ENDPOINT", "disagg_prefix_ratio": "RATIO",
     "notify_bind": "ENDPOINT", "notify_advertise_host": "HOST", "notify_secret": "SECRET",
     "api_key": "KEY", "api_keys": "KEY", "admin_api_key": "KEY", "engine_api_key": "KEY",
+    "cors_allowed_origins": "ORIGIN", "request_id_headers": "HEADER",
 }
 
 # (field, type, help). Lists are repeatable flags; the default is appended to the help.
 _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("model", str, "model directory or hub name: tokenizer source and default served name"),
-    ("prefill", list, "prefill engine base URL, e.g. http://10.0.0.1:8100 (repeatable)"),
+    ("prefill", list, "prefill engine base URL, e.g. http://10.0.0.1:8100 (repeatable); "
+                      "vllm-router's `URL BOOTSTRAP_PORT` or `URL none` is accepted (the port "
+                      "is ignored: pdgate's KV handshake needs none)"),
     ("decode", list, "decode engine base URL, e.g. http://10.0.0.2:8200 (repeatable)"),
     ("served_model_name", list, "model name clients may request (repeatable; "
                                 "default: --model)"),
@@ -53,12 +59,13 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("tokenizer", str, "tokenizer directory or hub name (default: --model)"),
     ("max_model_len", int, "context length in tokens (default: from the model's "
                            "config.json or the tokenizer)"),
-    ("pd_mode", str, "disaggregation flow: pull (vLLM NixlConnector: D READs P's KV) | "
-                     "notify (P WRITEs into D's reserved blocks, tells this router's proxy) "
-                     "| push (both legs at once; D registers its blocks with P)"),
-    ("prefill_policy", str, "how to pick a prefill engine: round-robin | least-inflight | "
-                            "power-of-two | session | prefix-aware | prefix-text | "
-                            "kv-events (params: YAML {type, name, params})"),
+    ("pd_mode", str, "disaggregation flow: pull (vLLM NixlConnector: D READs P's KV); "
+                     "notify (P WRITEs into D's reserved blocks, tells this router's proxy); "
+                     "push (both legs at once; D registers its blocks with P)"),
+    ("prefill_policy", str, "how to pick a prefill engine: round-robin, least-inflight, "
+                            "power-of-two, random, session, consistent-hash, prefix-aware, "
+                            "prefix-text, kv-events, or vllm-router's names (params: YAML "
+                            "{type, name, params})"),
     ("decode_policy", str, "how to pick a decode engine (same choices as --prefill-policy)"),
     ("host", str, "address to listen on"),
     ("port", int, "port to listen on"),
@@ -78,9 +85,12 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("engine_keepalive_s", float, "seconds an idle engine connection is kept open"),
     ("max_body_bytes", int, "largest accepted request body in bytes (larger: 413)"),
     ("shutdown_timeout_s", float, "seconds to let in-flight requests finish on shutdown"),
-    ("log_level", str, "critical | error | warning | info | debug"),
+    ("log_level", str, "log severity (`warn` = warning)"),
     ("log_format", str, "log lines as text or as one JSON object each (with the request id; "
-                        "one access line per request): text | json"),
+                        "one access line per request)"),
+    ("request_id_headers", list, "request headers the client's request id is taken from, "
+                                 "the first present wins (space-separated; echoed in "
+                                 "X-Request-Id, logged and traced; engines never see it)"),
     ("otlp_traces_endpoint", str, "OpenTelemetry: OTLP/HTTP URL spans are sent to, e.g. "
                                   "http://otel-collector:4318/v1/traces (default: off, "
                                   "unless OTEL_EXPORTER_OTLP_*ENDPOINT is set; needs the "
@@ -95,15 +105,15 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                                "(0: always disaggregate)"),
     ("disagg_prefix_ratio", float, "run on a decode engine alone when one already holds at "
                                    "least this fraction (0..1] of the prompt (default: off)"),
-    ("discovery", str, "where engines come from: static (--prefill/--decode) | k8s (watch "
+    ("discovery", str, "where engines come from: static (--prefill/--decode); k8s (watch "
                        "pods by label; --prefill/--decode may add fixed ones)"),
     ("namespace", str, "k8s: namespace to watch (default: the router pod's own)"),
-    ("prefill_selector", str, "k8s: label selector of prefill pods, e.g. "
-                              "app=pdgate,pdgate.io/role=prefill"),
-    ("decode_selector", str, "k8s: label selector of decode pods"),
+    ("prefill_selector", list, "k8s: label selector of prefill pods, comma- or "
+                               "space-separated, e.g. app=pdgate,pdgate.io/role=prefill"),
+    ("decode_selector", list, "k8s: label selector of decode pods (as --prefill-selector)"),
     ("prefill_port", int, "k8s: HTTP port of discovered prefill engines"),
     ("decode_port", int, "k8s: HTTP port of discovered decode engines"),
-    ("engine_scheme", str, "k8s: URL scheme of discovered engines: http | https"),
+    ("engine_scheme", str, "k8s: URL scheme of discovered engines"),
     ("k8s_api_url", str, "k8s: API server URL (default: in-cluster, from the service "
                          "account; an http:// URL sends no token)"),
     ("notify_bind", str, "notify mode: zmq endpoint of this router's KV-ready proxy (port 0: "
@@ -132,6 +142,9 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                      "/ready and /metrics stay open"),
     ("api_keys", list, "another accepted client key (repeatable; env PDGATE_API_KEYS, "
                        "comma-separated)"),
+    ("cors_allowed_origins", list, "browser origins allowed by CORS (space-separated; "
+                                   "`*`: any): preflight OPTIONS answered, CORS headers on "
+                                   "responses (default: no CORS headers)"),
     ("admin_api_key", str, "Bearer key of the /admin API and /dashboard; without it the "
                            "admin API is off (env PDGATE_ADMIN_API_KEY)"),
     ("engine_api_key", str, "key sent as 'Authorization: Bearer' on every engine call "
@@ -153,7 +166,7 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                             "(deeper: 400)"),
     ("max_messages", int, "most chat messages in one request (more: 400)"),
     ("tokenize_prompts", str, "auto: tokenize prompts only when a policy, the decider or "
-                              "the flow needs the tokens | always: also to refuse prompts "
+                              "the flow needs the tokens; always: also to refuse prompts "
                               "that cannot fit and render chat templates in the router"),
     ("allow_client_chat_template", bool, "accept a client-supplied chat_template (rendered "
                                          "in a sandbox with a time and size budget)"),
@@ -176,36 +189,134 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
 )
 
 
+# --help sections, in order; every field is in exactly one (a test checks).
+_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("engines", ("model", "prefill", "decode",
+                 "served_model_name", "engine_model_name",
+                 "tokenizer", "max_model_len", "discovery", "namespace", "prefill_selector",
+                 "decode_selector", "prefill_port", "decode_port", "engine_scheme",
+                 "k8s_api_url", "connect_timeout_s", "max_connections", "engine_keepalive_s",
+                 "health_interval_s", "health_timeout_s", "health_failure_threshold",
+                 "health_success_threshold", "startup_wait_s")),
+    ("routing", ("prefill_policy", "decode_policy", "prefix_block_size",
+                 "prefix_index_max_blocks", "kv_events", "disagg_min_tokens",
+                 "disagg_prefix_ratio", "eject_consecutive_errors", "breaker_open_s",
+                 "max_retries", "retry_backoff_s")),
+    ("flows", ("pd_mode", "early_first_token", "prefill_timeout_s",
+               "decode_first_byte_timeout_s", "decode_idle_timeout_s", "kv_abort_timeout_s",
+               "kv_ready_timeout_s", "notify_bind", "notify_advertise_host", "notify_secret",
+               "notify_ttl_s", "notify_reap_interval_s")),
+    ("limits", ("max_concurrent_requests", "max_queued_requests", "queue_timeout_s",
+                "max_body_bytes", "max_json_depth", "max_messages", "tokenize_prompts",
+                "allow_client_chat_template", "chat_template_timeout_s",
+                "chat_template_max_output_chars", "header_timeout_s",
+                "max_pending_connections", "body_timeout_s",
+                "body_chunk_timeout_s", "stream_write_timeout_s", "max_engine_reply_bytes",
+                "max_sse_line_bytes")),
+    ("security", ("api_key", "api_keys", "admin_api_key", "engine_api_key",
+                  "cors_allowed_origins")),
+    ("observability", ("log_level", "log_format", "otlp_traces_endpoint",
+                       "request_id_headers")),
+    ("deployment", ("host", "port", "workers", "shutdown_timeout_s")),
+)
+# List flags taking several values in one occurrence (vllm-router's spelling), still
+# repeatable; the rest take one value per occurrence.
+_MULTI = frozenset({"prefill", "prefill_selector", "decode_selector", "cors_allowed_origins",
+                    "request_id_headers"})
+# Space- or comma-separated label selectors become one comma-separated selector.
+_JOINED = frozenset({"prefill_selector", "decode_selector"})
+_FIELD_TYPES = {f.name: f.type for f in msgspec.structs.fields(RouterConfig)}
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The router's argument parser. Unset flags are absent from the namespace, so they
     do not override values from `--config`."""
     parser = argparse.ArgumentParser(
         prog="pdgate router",
+        usage="%(prog)s --model NAME --prefill URL --decode URL [options]",
         description="OpenAI-compatible prefill/decode disaggregating router.",
+        epilog="vllm-router's flags are accepted too: docs/migrating-from-vllm-router.md.",
         argument_default=argparse.SUPPRESS,
     )
+    parser.add_argument("--version", action="version", version=f"pdgate {__version__}")
     parser.add_argument("--config", metavar="YAML",
                         help="YAML file with RouterConfig fields (flags override it)")
-    for field, typ, text in _FLAGS:
-        flag = "--" + field.replace("_", "-")
-        default = _DEFAULTS.get(field, msgspec.NODEFAULT)
-        if default not in (msgspec.NODEFAULT, None, [], ""):
-            text = f"{text} (default: {default})"
-        metavar = _METAVARS.get(field, "N" if typ is int else "SECONDS")
-        if typ is list:
-            parser.add_argument(flag, action="append", metavar=metavar, help=text)
-        elif typ is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
-        else:
-            parser.add_argument(flag, type=typ, metavar=metavar, help=text)
+    flags = {field: (typ, text) for field, typ, text in _FLAGS}
+    for title, fields in _GROUPS:
+        group = parser.add_argument_group(title)
+        for field in fields:
+            typ, text = flags[field]
+            _add_flag(group, field, typ, text)
+    add_vllm_router_flags(parser)
     return parser
 
 
+def _add_flag(group: argparse._ArgumentGroup, field: str, typ: Any, text: str) -> None:
+    flag = "--" + field.replace("_", "-")
+    default = _DEFAULTS.get(field, msgspec.NODEFAULT)
+    if default not in (msgspec.NODEFAULT, None, [], ""):
+        text = f"{text} (default: {' '.join(default) if isinstance(default, list) else default})"
+    choices = _choices(field)
+    metavar: Any = None if choices else _metavar(field, typ)
+    if field == "prefill":
+        metavar = ("URL", "BOOTSTRAP_PORT")  # shown as `URL [BOOTSTRAP_PORT ...]`
+    if field in _MULTI:
+        nargs = "+" if field == "prefill" or field in _JOINED else "*"
+        group.add_argument(flag, action="append", nargs=nargs, metavar=metavar, help=text)
+    elif typ is list:
+        group.add_argument(flag, action="append", metavar=metavar, help=text)
+    elif typ is bool:
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
+    else:
+        convert = _log_level if field == "log_level" else typ
+        group.add_argument(flag, type=convert, choices=choices, metavar=metavar, help=text)
+
+
+def _choices(field: str) -> tuple[str, ...] | None:
+    """A Literal-typed field's values (argparse checks them and --help lists them)."""
+    typ = _FIELD_TYPES.get(field)
+    if getattr(typ, "__origin__", None) is Literal:
+        return get_args(typ)
+    return None
+
+
+def _metavar(field: str, typ: Any) -> str:
+    if field in _METAVARS:
+        return _METAVARS[field]
+    if typ is int:
+        return "N"
+    if typ is float:
+        return "SECONDS" if field.endswith("_s") else "X"
+    return "VALUE"
+
+
+def _log_level(value: str) -> str:
+    return "warning" if value == "warn" else value  # vllm-router's Rust spelling
+
+
 def config_from_args(argv: Sequence[str] | None = None) -> RouterConfig:
-    """Parse `argv` into a `RouterConfig` (YAML file, then flags). Raises `ConfigError`."""
+    """Parse `argv` into a `RouterConfig` (YAML file, then flags). Raises `ConfigError`.
+    Warnings about accepted-but-ignored flags go to stderr."""
     args = vars(build_parser().parse_args(argv))
     yaml_path = args.pop("config", None)
+    args, warnings = vllm_router_overrides(args)
+    if "prefill" in args:
+        args["prefill"], more = prefill_urls(args["prefill"])
+        warnings += more
+    _flatten_lists(args)
+    for text in warnings:
+        print(f"pdgate router: warning: {text}", file=sys.stderr)
     return load_config(yaml_path, {**env_overrides(os.environ), **args})
+
+
+def _flatten_lists(args: dict[str, Any]) -> None:
+    """Multi-value flags arrive as lists of lists: flatten them; join selectors."""
+    for field in (_MULTI - {"prefill"}) & args.keys():
+        values = [v for group in args[field] for v in group]
+        if field in _JOINED:
+            parts = [p for v in values for p in v.replace(",", " ").split()]
+            values = ",".join(parts)  # type: ignore[assignment]
+        args[field] = values
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 __all__ = [
+    "REQUEST_ID_HEADERS",
     "ConfigError",
     "PolicySpec",
     "RouterConfig",
@@ -26,6 +27,9 @@ __all__ = [
 ]
 
 MIB = 1024 * 1024
+REQUEST_ID_HEADERS = ("x-request-id", "x-correlation-id", "x-trace-id", "request-id")
+_HEADER_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")  # RFC 9110 token
+_ORIGIN = re.compile(r"https?://[^/\s]+")
 
 
 class ConfigError(ValueError):
@@ -83,6 +87,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     log_format: Literal["text", "json"] = "text"  # router/logs.py
     otlp_traces_endpoint: str | None = None  # router/tracing.py (also OTEL_* env)
+    # Where the client's own request id is read from, the first header present wins (the
+    # ones vllm-router reads by default); it is echoed, logged and traced, never sent on.
+    request_id_headers: list[str] = msgspec.field(
+        default_factory=lambda: list(REQUEST_ID_HEADERS))
     # Engine discovery: `static` uses only `prefill`/`decode`; `k8s` also watches pods
     # matching the selectors (label selector syntax) and routes to the ready ones.
     discovery: Literal["static", "k8s"] = "static"
@@ -122,6 +130,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     queue_timeout_s: float = 30.0
     api_key: str | None = None
     api_keys: list[str] = []
+    # Browser origins allowed by CORS (`*`: any); empty: no CORS headers (router/http/app.py).
+    cors_allowed_origins: list[str] = []
     admin_api_key: str | None = None
     # Sent as `Authorization: Bearer` on every engine call (shim `--api-key`, vLLM
     # `--api-key`): engines then serve only this router, not whoever reaches their port.
@@ -304,6 +314,13 @@ def _validate_resilience(config: RouterConfig) -> None:
     for key in config.api_keys:
         if len(key) < 8:
             raise ConfigError("api_keys: use at least 8 characters per key")
+    for origin in config.cors_allowed_origins:
+        if origin != "*" and not _ORIGIN.fullmatch(origin):
+            raise ConfigError(f"cors_allowed_origins: {origin!r} is not an origin "
+                              "(scheme://host[:port], or *)")
+    for name in config.request_id_headers:
+        if not _HEADER_NAME.fullmatch(name):
+            raise ConfigError(f"request_id_headers: {name!r} is not a header name")
 
 
 def _validate_notify(config: RouterConfig) -> None:

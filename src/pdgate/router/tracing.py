@@ -11,11 +11,13 @@ the request is not traced).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import anyio.to_thread
 
+from pdgate.common import tracing as common
 from pdgate.common.tracing import (
     Tracing,
     TracingMiddleware,
@@ -26,10 +28,12 @@ from pdgate.common.tracing import (
     tracing_requested,
 )
 from pdgate.router import __version__, request_context
-from pdgate.router.config import ConfigError, RouterConfig
+from pdgate.router.config import RouterConfig
 
 __all__ = ["UNTRACED", "Tracing", "TracingMiddleware", "TracingSlot", "check_tracing",
            "finish_span", "open_tracing", "record_span", "span"]
+
+log = logging.getLogger("pdgate.router.tracing")
 
 span = request_span  # `with span("prefill_leg", engine=url):` anywhere in a request
 
@@ -39,19 +43,23 @@ UNTRACED = frozenset({"/health", "/ready", "/metrics", "/dashboard/state"})
 
 
 def check_tracing(config: RouterConfig, environ: Mapping[str, str]) -> bool:
-    """Is tracing on? Raises `ConfigError` when it is asked for but cannot run."""
+    """Is tracing on? Asked for but unable to run (no SDK, a protocol not spoken), it is
+    off and one warning says why: tracing never keeps a router from serving."""
     if not tracing_requested(config.otlp_traces_endpoint, environ):
         return False
     try:
-        check_available()
+        check_available(environ)
     except TracingUnavailable as exc:
-        raise ConfigError(str(exc)) from None
+        log.warning("%s; serving without tracing", exc)
+        return False
     return True
 
 
-def open_tracing(config: RouterConfig) -> Tracing:
-    """The router's tracer (call once `check_tracing` said yes; `shutdown()` at exit)."""
-    return Tracing(SERVICE, config.otlp_traces_endpoint, {"service.version": __version__})
+def open_tracing(config: RouterConfig, environ: Mapping[str, str]) -> Tracing | None:
+    """The router's tracer (None, with a warning, when it cannot be built; `shutdown()` at
+    exit)."""
+    return common.open_tracing(SERVICE, config.otlp_traces_endpoint, environ,
+                               {"service.version": __version__})
 
 
 def finish_span(span: Any, status: int) -> None:
@@ -79,12 +87,13 @@ def finish_span(span: Any, status: int) -> None:
 
 class TracingSlot:
     """The app's tracer while it serves: `running()` (in the lifespan) builds it and flushes
-    it at the end; `get()` is what the middleware asks each request. Checked at once, so a
-    missing SDK fails at startup (`ConfigError`)."""
+    it at the end; `get()` is what the middleware asks each request (None: untraced).
+    Checked at once: asked for without the SDK, `enabled` is False after one warning."""
 
     def __init__(self, config: RouterConfig, environ: Mapping[str, str]) -> None:
         self.enabled = check_tracing(config, environ)
         self._config = config
+        self._environ = environ
         self._tracing: Tracing | None = None
 
     def get(self) -> Tracing | None:
@@ -95,9 +104,10 @@ class TracingSlot:
         if not self.enabled:
             yield
             return
-        self._tracing = open_tracing(self._config)
+        self._tracing = open_tracing(self._config, self._environ)
         try:
             yield
         finally:
             tracing, self._tracing = self._tracing, None
-            await anyio.to_thread.run_sync(tracing.shutdown)  # a last export over HTTP
+            if tracing is not None:
+                await anyio.to_thread.run_sync(tracing.shutdown)  # a last export

@@ -73,7 +73,7 @@ def test_a_missing_setting_is_named_as_flag_yaml_key_and_env(
     ({"prefill": []}, "prefill"),
     ({"decode": []}, "decode"),
     ({"decode": ["d0:8200"]}, "decode"),
-    ({"prefill_policy": "random"}, "prefill_policy"),
+    ({"prefill_policy": "randomly"}, "prefill_policy"),
     ({"connect_timeout_s": 0}, "connect_timeout_s"),
     ({"max_body_bytes": -1}, "max_body_bytes"),
     ({"max_model_len": 0}, "max_model_len"),

@@ -21,8 +21,8 @@ StartRouter = Callable[..., Awaitable[RunningRouter]]
 @pytest.mark.parametrize(("alias", "policy_type"), [
     ("round_robin", "round-robin"),
     ("power_of_two", "power-of-two"),
-    ("cache_aware", "prefix-aware"),
-    ("consistent_hash", "session"),
+    ("cache_aware", "prefix-text"),
+    ("consistent_hash", "consistent-hash"),
 ])
 def test_vllm_router_policy_names_build_the_same_policy(alias: str, policy_type: str) -> None:
     assert build_policy(alias).type == policy_type

@@ -37,7 +37,7 @@ def config(**kw: Any) -> RouterConfig:
     ({"disagg_prefix_ratio": 0.0}, None),
     ({"decode_policy": "prefix-aware"}, "prefix-aware policy (--decode-policy)"),
     ({"prefill_policy": "kv-events"}, "kv-events policy (--prefill-policy)"),
-    ({"prefill_policy": "cache_aware"}, "prefix-aware policy (--prefill-policy)"),
+    ({"prefill_policy": "cache_aware"}, None),  # vllm-router's name for prefix-text
     ({"pd_mode": "notify"}, "--pd-mode notify"),
     ({"pd_mode": "push"}, "--pd-mode push"),
     ({"disagg_min_tokens": 64}, "--disagg-min-tokens"),

@@ -40,6 +40,7 @@ CASES = [
     ("least-inflight", 3, [3, 0, 1], [1], [2, 2]),  # the least loaded is down
     ("least-inflight", 2, [4, 4], [], [0, 1, 0]),
     ("session", 3, [2, 0, 1], [], [1, 1, 1]),  # no session key: least loaded
+    ("consistent-hash", 3, [2, 0, 1], [], [1, 1, 1]),  # no key: least loaded
     ("prefix-aware", 3, [2, 0, 1], [], [1, 1, 1]),  # no prompt: least loaded
     ("prefix-text", 3, [2, 0, 1], [], [1, 1, 1]),
     ("kv-events", 2, [0, 0], [], [0, 1, 0]),  # no prompt, idle: rotate
@@ -223,12 +224,12 @@ async def test_least_inflight_follows_tracked_load() -> None:
 
 def test_registry_lists_builtins_and_rejects_unknown() -> None:
     assert set(POLICIES) == {
-        "round-robin", "least-inflight", "power-of-two", "session", "prefix-aware",
-        "prefix-text", "kv-events",
+        "round-robin", "least-inflight", "power-of-two", "random", "session",
+        "consistent-hash", "prefix-aware", "prefix-text", "kv-events",
     }
     assert all(POLICIES[name].type == name for name in POLICIES)
     with pytest.raises(ConfigError, match="least-inflight"):
-        build_policy("random")
+        build_policy("randomly")
     with pytest.raises(TypeError):
         POLICIES["x"] = POLICIES["round-robin"]  # type: ignore[index]
 

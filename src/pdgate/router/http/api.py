@@ -175,8 +175,7 @@ def _completion_handler(
     async def handler(request: Request) -> Response:
         st = holder.state
         t0 = time.perf_counter()
-        ids = _Ids(internal_ids.new(),
-                   client_request_id(header_value(request.scope, b"x-request-id")))
+        ids = _Ids(internal_ids.new(), client_id(request.scope, st.config.request_id_headers))
         request_context.bind_ids(ids.internal, ids.client)  # for log lines and access line
         cfg = st.config
         try:
@@ -241,6 +240,15 @@ def _completion_handler(
                              st.config.stream_write_timeout_s)
 
     return handler
+
+
+def client_id(scope: Any, names: list[str]) -> str | None:
+    """The client's own request id, sanitised: the first of `names` (--request-id-headers)
+    the request carries."""
+    for name in names:
+        if (value := header_value(scope, name.lower().encode())) is not None:
+            return client_request_id(value)
+    return None
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,6 +19,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
+from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp
 
 from pdgate.router.aborts import Aborter
@@ -115,12 +116,16 @@ def _loop_name() -> str:
 
 
 def _middlewares(config: RouterConfig, tracing: TracingSlot) -> list[tuple[Any, dict[str, Any]]]:
-    """The router's pure-ASGI middlewares, innermost first: keys, tracing, access log
+    """The router's pure-ASGI middlewares, innermost first: keys, CORS, tracing, access log
     (outermost: it sees 401s)."""
     found: list[tuple[Any, dict[str, Any]]] = []
     if config.client_api_keys or config.admin_api_key:
         found.append((AuthMiddleware, {"api_keys": config.client_api_keys,
                                        "admin_api_key": config.admin_api_key}))
+    if config.cors_allowed_origins:  # outside the keys: browsers' preflights carry none
+        found.append((CORSMiddleware, {
+            "allow_origins": config.cors_allowed_origins, "allow_methods": ["GET", "POST"],
+            "allow_headers": ["*"], "expose_headers": ["X-Request-Id", "Retry-After"]}))
     if tracing.enabled:
         found.append((TracingMiddleware, {"tracing": tracing.get, "finish": finish_span,
                                           "skip": UNTRACED}))

@@ -8,8 +8,11 @@ One `Policy` Protocol (`base.py`), one module per policy, a read-only registry
 | `round-robin`    | the next candidate in turn                                           |
 | `least-inflight` | fewest requests in flight; ties rotate                               |
 | `power-of-two`   | the less loaded of two random candidates                             |
+| `random`         | a random candidate                                                   |
 | `session`        | the engine that served the session (header or `user`) before         |
+| `consistent-hash`| the session key's engine on a hash ring (the same on every replica)  |
 | `prefix-aware`   | the longest cached prefix (router's own index), unless load is skewed |
+| `prefix-text`    | `prefix-aware` on the prompt's characters (no tokenizer)             |
 | `kv-events`      | like `prefix-aware`, from engines' KV cache events where published    |
 """
 

@@ -12,11 +12,13 @@ from typing import Any
 from pdgate.router.config import ConfigError, PolicySpec
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies.base import Policy, PolicyEnv, parse_params
+from pdgate.router.policies.consistent_hash import ConsistentHash
 from pdgate.router.policies.kv_aware import KVEventsAware
 from pdgate.router.policies.least_inflight import LeastInflight
 from pdgate.router.policies.power_of_two import PowerOfTwo
 from pdgate.router.policies.prefix_aware import PrefixAware
 from pdgate.router.policies.prefix_text import PrefixText
+from pdgate.router.policies.random_pick import RandomPick
 from pdgate.router.policies.round_robin import RoundRobin
 from pdgate.router.policies.runner import Selector
 from pdgate.router.policies.session import Session
@@ -28,7 +30,9 @@ _BUILTINS: tuple[type[Any], ...] = (
     RoundRobin,
     LeastInflight,
     PowerOfTwo,
+    RandomPick,
     Session,
+    ConsistentHash,
     PrefixAware,
     PrefixText,
     KVEventsAware,
@@ -43,8 +47,10 @@ ALIASES: MappingProxyType[str, str] = MappingProxyType({
     # vllm-router's policy names, for configurations migrated from it.
     "round_robin": "round-robin",
     "power_of_two": "power-of-two",
-    "cache_aware": "prefix-aware",
-    "consistent_hash": "session",  # the same key (session header / user) -> the same engine
+    # vllm-router's cache_aware matches the prompt's characters (no tokenizer), as
+    # prefix-text does; its consistent_hash is a ring every replica agrees on.
+    "cache_aware": "prefix-text",
+    "consistent_hash": "consistent-hash",
 })
 """Other names accepted for a registered type (read-only)."""
 

@@ -118,3 +118,60 @@ def test_the_check_sees_a_forbidden_import(tmp_path: Path) -> None:
     assert imported_packages(bad) == {"os", "router", "engine_shim", "pdgate"}
     assert {router_part(m) for m in imported_modules(bad)} >= {"http", "pool"}
     assert "router.api" in imported_modules(bad)
+
+
+# Only router/engines/ (and contract/) parse engine replies: the router modules on the
+# request path that get engine answers (flows, orchestrator, aborts, pool, health) hold
+# them decoded and typed, so they call no JSON decoder and read no reply field by name.
+ENGINE_FACING = ("flows", "orchestrator.py", "aborts.py", "pool.py", "health.py")
+# flows/push_identity.py reads a vLLM push answer's identity keys (to move into engines/
+# with that module's next rework); none of the names below.
+DECODERS = {"msgspec.json.decode", "msgspec.json.Decoder", "msgspec.convert",
+            "msgspec.msgpack.decode", "json.loads", "json.load"}
+REPLY_FIELDS = {"choices", "usage", "kv_transfer_params", "prompt_token_ids", "token_ids",
+                "finish_reason", "engine_id", "block_ids", "reservation_id",
+                "first_token_ids", "landed_tokens", "pdgate_mode", "remote_num_tokens",
+                "message", "text"}
+
+
+def _dotted(node: ast.AST) -> str:
+    if isinstance(node, ast.Attribute):
+        return f"{_dotted(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def reply_parsing(path: Path) -> list[str]:
+    """Where `path` decodes JSON or reads an engine reply field by name (line: what)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        what = None
+        if isinstance(node, ast.Attribute) and _dotted(node) in DECODERS:
+            what = _dotted(node)
+        elif isinstance(node, ast.ImportFrom) and node.module in ("msgspec.json", "json"):
+            what = f"from {node.module} import"
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                and node.func.attr == "get" and node.args \
+                and isinstance(node.args[0], ast.Constant) and node.args[0].value in REPLY_FIELDS:
+            what = f".get({node.args[0].value!r})"
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) \
+                and isinstance(node.slice, ast.Constant) and node.slice.value in REPLY_FIELDS:
+            what = f"[{node.slice.value!r}]"
+        if what is not None:
+            found.append(f"{getattr(node, 'lineno', 0)}: {what}")
+    return found
+
+
+def test_only_the_engine_client_parses_engine_replies() -> None:
+    paths = [p for name in ENGINE_FACING for p in sorted((SRC / "router").glob(name))]
+    paths = [q for p in paths for q in (sorted(p.rglob("*.py")) if p.is_dir() else [p])]
+    assert len(paths) > 10
+    offenders = {str(p.relative_to(ROOT)): reply_parsing(p) for p in paths}
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_check_sees_reply_parsing(tmp_path: Path) -> None:
+    bad = tmp_path / "m.py"
+    bad.write_text("import msgspec\nreply = msgspec.json.decode(raw)\n"
+                   "ids = reply['choices'][0].get('token_ids')\nbody['choices'] = []\n")
+    assert sorted(reply_parsing(bad)) == ["2: msgspec.json.decode", "3: .get('token_ids')",
+                                          "3: ['choices']"]

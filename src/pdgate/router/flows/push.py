@@ -116,7 +116,7 @@ class PushFlow:
         info = peer.info
         n = len(req.prompt_token_ids or ())
         # P's landed notice names its token: D can continue after it, so the client may
-        # get it from P's reply at once (router/flows/early_token.py).
+        # get it from P's reply at once (router/flows/early.py).
         early = req.stream and self.early is not None and info.landed_tokens and eligible(req)
         p_body = prefill_leg_body(req.body, PushPrefillParams(num_tokens=n).to_params())
         d_params = PushDecodeParams(

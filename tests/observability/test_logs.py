@@ -67,6 +67,9 @@ def test_one_access_line_per_request_with_its_ids_and_engines(served: Served) ->
         assert line["prompt_tokens"] > 0 and line["fallback"] is None
         assert 0 < line["duration_s"] < 120
     assert missing["request_id"] and missing["prefill_engine"] is None
+    # A refused request's line says why, with the code of the error body the client got.
+    assert missing["error_code"] == "model_not_found"
+    assert "error_code" not in plain and "error_code" not in streamed
 
 
 def test_probes_are_not_access_logged_at_info(cluster: Cluster) -> None:

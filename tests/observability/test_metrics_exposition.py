@@ -7,8 +7,12 @@ import re
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pdgate.router import __version__ as pdgate_version
+from pdgate.router.health import EngineHealth, HealthSettings
+from pdgate.router.metrics import RouterMetrics
 from tests.e2e.cluster import Cluster
 from tests.observability.promtool import check_metrics
 
@@ -88,3 +92,44 @@ def test_shim_request_series_carry_the_served_model(cluster: Cluster, who: str) 
     assert got[("pdgate_shim_generation_tokens_total", frozenset({model}))] > 0
     # The engine's own gauges stay unlabelled.
     assert ("pdgate_shim_kv_blocks_free", frozenset()) in got
+
+
+def test_router_exports_build_process_and_breaker_series(cluster: Cluster) -> None:
+    got = samples(scrape(cluster.router))
+    names = {name for name, _ in got}
+    assert ("pdgate_build_info", frozenset({("version", pdgate_version),
+                                            ("commit", "unknown")})) in got
+    # The process' own series (prometheus_client's ProcessCollector).
+    assert {"process_resident_memory_bytes", "process_open_fds",
+            "process_cpu_seconds_total", "process_start_time_seconds"} <= names
+    assert got[("process_resident_memory_bytes", frozenset())] > 10 * 2**20
+    # Every engine's breaker, closed (0) while it serves.
+    for role, urls in (("prefill", cluster.prefill), ("decode", cluster.decode)):
+        for url in urls:
+            assert got[("pdgate_engine_breaker_state",
+                        frozenset({("engine", url), ("role", role)}))] == 0
+
+
+def test_breaker_state_follows_the_breaker_at_scrape_time() -> None:
+    """closed (0) -> open (1) after the failures that eject -> half-open (2) once the open
+    period passed, with no event in between: the gauge is read at each scrape."""
+    registry = RouterMetrics.registry()
+    metrics = RouterMetrics.create(registry)
+    now = [100.0]
+    health = EngineHealth(HealthSettings(eject_after=2, open_s=5.0), "e",
+                          clock=lambda: now[0])
+    metrics.watch_breaker("http://e:1", "decode", health)
+    key = ("pdgate_engine_breaker_state",
+           frozenset({("engine", "http://e:1"), ("role", "decode")}))
+
+    def state() -> float:
+        return samples(generate_latest(registry).decode())[key]
+
+    assert state() == 0
+    health.record_failure()
+    health.record_failure()
+    assert state() == 1
+    now[0] += 5.0
+    assert state() == 2
+    health.record_success()
+    assert state() == 0

@@ -6,19 +6,27 @@ requests, the flows time legs and count decisions, the pool keeps the gauges, ad
 times the queue. Two helpers take whole facts so callers need no label bookkeeping:
 `observe_ttft(mode, arrival)` and `observe_usage(model, usage)`; `observe_answer(raw)` and
 `StreamUsage` find the usage in what the client got (a JSON answer, SSE lines).
+
+Also on every app's registry: `pdgate_build_info{version,commit}` (always 1; the commit is
+the image's PDGATE_COMMIT build argument, `unknown` from a source checkout), the process'
+own `process_*` series (RSS, CPU seconds, open fds: prometheus_client's ProcessCollector)
+and `pdgate_engine_breaker_state{engine,role}` (0 closed, 1 open, 2 half-open), read from
+each engine's breaker at scrape time (`watch_breaker`), so an open breaker that turned
+half-open with time shows as such without an event.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 
 from pdgate.common.metrics_registry import NoCreatedRegistry
-from pdgate.router import request_context
+from pdgate.router import __version__, request_context
 from pdgate.router.fast_metrics import (
     CounterChild,
     FastCounter,
@@ -46,6 +54,16 @@ _QUEUE_BUCKETS = (0.0001, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
                   30.0, 60.0, 120.0, 300.0)
 _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 _DATA = b"data: "
+# pdgate_engine_breaker_state's values (health.BreakerState.value -> number).
+BREAKER_STATE_VALUES = {"closed": 0, "open": 1, "half-open": 2}
+COMMIT_ENV = "PDGATE_COMMIT"  # set by the Dockerfile's build argument of the same name
+
+
+class _Breaker(Protocol):
+    """What `watch_breaker` reads: router.health.EngineHealth."""
+
+    @property
+    def state(self) -> Any: ...
 
 
 class _Answer(msgspec.Struct):
@@ -102,6 +120,7 @@ class RouterMetrics:
     admission_rejected: FastCounter  # reason (queue_full | queue_timeout)
     kv_aborts: FastCounter  # result (ok | unsupported | failed): P asked to free a request's KV
     breaker_opened: FastCounter  # role: circuit breakers opened (engines ejected)
+    engine_breaker_state: FastGauge  # engine, role: BREAKER_STATE_VALUES, read at scrape
     # reason (request_id | kv_params: the answer named another request; prompt_ids |
     # first_token: P's early first token failed its check, the plain flow ran)
     engine_answers_refused: FastCounter
@@ -168,6 +187,13 @@ class RouterMetrics:
         if record is not None:
             record.admission_wait_s = seconds
 
+    def watch_breaker(self, engine: str, role: str, breaker: _Breaker) -> None:
+        """Export `breaker`'s state as `pdgate_engine_breaker_state{engine,role}`, read at
+        each scrape (the pool calls this when it gives an engine its breaker; remove the
+        series with the engine's other gauges)."""
+        self.engine_breaker_state.labels(engine, role).set_function(
+            lambda: BREAKER_STATE_VALUES[breaker.state.value])
+
     @staticmethod
     def registry() -> CollectorRegistry:
         """A fresh registry for one app's metrics (no `*_created` series in its scrape)."""
@@ -175,8 +201,13 @@ class RouterMetrics:
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> RouterMetrics:
-        """Register all metrics on `registry` (one registry per app)."""
+        """Register all metrics on `registry` (one registry per app), with the build info
+        and this process' `process_*` series."""
         r = registry
+        build = FastGauge("pdgate_build_info", "pdgate version and commit (always 1)",
+                          ["version", "commit"], registry=r)
+        build.labels(__version__, os.environ.get(COMMIT_ENV) or "unknown").set(1)
+        ProcessCollector(registry=r)
         return cls(
             requests=FastCounter(
                 "pdgate_requests", "HTTP requests by route and status", ["route", "status"],
@@ -275,6 +306,11 @@ class RouterMetrics:
             breaker_opened=FastCounter(
                 "pdgate_breaker_opened", "Engine circuit breakers opened (engine ejected)",
                 ["role"], registry=r,
+            ),
+            engine_breaker_state=FastGauge(
+                "pdgate_engine_breaker_state",
+                "Engine circuit breaker state: 0 closed, 1 open (ejected), 2 half-open",
+                ["engine", "role"], registry=r,
             ),
             engine_answers_refused=FastCounter(
                 "pdgate_engine_answers_refused",

@@ -154,7 +154,8 @@ class EndpointPool:
 
     def _forget_gauges(self, url: str, role: Role) -> None:
         # A removed engine must not linger in /metrics as a stale series.
-        for gauge in (self._metrics.engine_in_flight, self._metrics.engine_healthy):
+        for gauge in (self._metrics.engine_in_flight, self._metrics.engine_healthy,
+                      self._metrics.engine_breaker_state):
             with contextlib.suppress(KeyError):
                 gauge.remove(url, role)
 
@@ -171,6 +172,7 @@ class EndpointPool:
             self._health_settings, f"{ep.url} ({ep.role})",
             on_open=self._metrics.breaker_opened.labels(ep.role).inc,
         )
+        self._metrics.watch_breaker(ep.url, ep.role, ep.health)
         return ep
 
     def healthy(self, role: Role) -> list[Endpoint]:

@@ -7,7 +7,8 @@ response headers name), watches the response start for the status, and logs once
 returned, i.e. after the last byte of a stream. Fields: method, path,
 status, duration_s, request_id, client_request_id, model, mode, fallback, ttft_s,
 admission_wait_s, prompt_tokens, completion_tokens, prefill_engine, decode_engine (null
-when unknown).
+when unknown), and for a refused request (status >= 400) error_code: the `code` (else the
+`type`) of its OpenAI-style error body, read from the first bytes the client got.
 
 Probes and scrapes (`/health`, `/ready`, `/metrics`, `/dashboard/state`) are logged at
 DEBUG: every few seconds from each kubelet and Prometheus, they would bury the requests.
@@ -19,6 +20,7 @@ import logging
 import time
 from typing import Any
 
+import msgspec
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pdgate.router import request_context
@@ -28,6 +30,30 @@ __all__ = ["AccessLogMiddleware"]
 
 log = logging.getLogger("pdgate.router.access")
 _QUIET = frozenset({"/health", "/ready", "/metrics", "/dashboard/state"})
+_ERROR_BODY_MAX = 4096  # error bodies are small; a bigger one is not an error object
+
+
+class _Error(msgspec.Struct):
+    code: Any = None
+    type: Any = None
+
+
+class _ErrorBody(msgspec.Struct):
+    error: _Error | None = None
+
+
+def _error_code(body: bytes) -> str | None:
+    """The `code` (else `type`) of an OpenAI-style error body; None for anything else."""
+    try:
+        error = msgspec.json.decode(body, type=_ErrorBody).error
+    except (msgspec.DecodeError, RecursionError):
+        return None
+    if error is None:
+        return None
+    for value in (error.code, error.type):
+        if isinstance(value, str) and value:
+            return value
+    return None
 
 
 class AccessLogMiddleware:
@@ -47,11 +73,14 @@ class AccessLogMiddleware:
         record = RequestRecord(scope["method"], scope["path"])
         token = request_context.open_record(record)
         status = 500  # the app raised before it answered
+        error_body = bytearray()  # the start of a refusal's body (its error code)
 
         async def watch(message: Message) -> None:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+            elif status >= 400 and len(error_body) <= _ERROR_BODY_MAX:
+                error_body.extend(message.get("body", b""))
             await send(message)
 
         try:
@@ -60,8 +89,11 @@ class AccessLogMiddleware:
             level = logging.DEBUG if record.path in _QUIET else logging.INFO
             if log.isEnabledFor(level):
                 fields = _fields(record, status, self.pd_mode)
-                log.log(level, "%s %s %d %.3fs", record.method, record.path, status,
-                        fields["duration_s"], extra={"fields": fields})
+                if status >= 400:
+                    fields["error_code"] = _error_code(bytes(error_body))
+                log.log(level, "%s %s %d %.3fs%s", record.method, record.path, status,
+                        fields["duration_s"], f" {fields['error_code']}"
+                        if fields.get("error_code") else "", extra={"fields": fields})
             request_context.close_record(token)
 
 

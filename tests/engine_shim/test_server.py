@@ -450,10 +450,39 @@ class CopyConnector:
         peer.abort(params["remote_request_id"])
         return int(src[:, :, remote].nbytes)
 
+    async def pull_tokens(self, params: Any, local_block_ids: list[int],
+                          num_tokens: int) -> int:
+        """Same block sizes on both sides: P's blocks go to the first local ones."""
+        return await self.pull(params, local_block_ids[:len(params["remote_block_ids"])])
+
     def abort(self, request_id: str) -> None:
         blocks = self.leases.pop(request_id, None)
         if blocks is not None:
             self.engine.free_blocks(blocks)
+
+    def kv_info(self) -> dict[str, object]:
+        return {"engine_id": self.engine_id}
+
+    # Pull only: the notify/push calls refuse, as the Protocol says.
+    def push_blocks(self, request_id: str, block_ids: list[int], num_tokens: int,
+                    params: Any, first_token_ids: tuple[int, ...] = ()) -> dict[str, Any]:
+        raise KVTransferError("this connector cannot push")
+
+    def fail_push(self, request_id: str, reason: str, detail: str) -> None:
+        pass
+
+    def expect_landing(self, tag: str) -> None:
+        pass
+
+    def forget_landing(self, tag: str) -> None:
+        pass
+
+    async def await_landing(self, tag: str, timeout: float) -> tuple[int, ...] | None:
+        return None
+
+    async def await_push(self, params: Any, request_id: str, local_block_ids: list[int],
+                         num_tokens: int) -> tuple[int, tuple[int, ...]]:
+        raise KVTransferError("this connector cannot push")
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,13 @@
 Lifecycle of a request (`await Engine.open(req)` -> `RequestStream`):
 1. admission (caller's task): the prompt's blocks are taken now, waiting in FIFO order while
    the pool is short; no blocks within `admission_timeout` is a 503 before any byte is sent;
-2. a DECODE-role request (`do_remote_prefill`) reads the prompt's KV from the prefill engine
-   through the connector; on failure the prompt is recomputed locally (vLLM's recompute
-   policy), so the request still succeeds;
+2. a DECODE-role request (`do_remote_prefill`) gets the prompt's KV from the prefill engine
+   through the connector (`kv_inbound.py`: pull, notify or push); on failure the prompt
+   is recomputed locally (vLLM's recompute policy), so the request still succeeds;
 3. the scheduler (`scheduler.py`) runs it step by step with every other running request;
 4. on finish the blocks are freed, or, for a PREFILL-role request (`do_remote_decode`) that
-   ran to its length cap, the prompt's blocks go to the connector's lease
-   (`hold_for_remote_decode`) and the final output carries the `kv_transfer_params`. On
+   ran to its length cap, the prompt's blocks go to the connector (`kv_outbound.py`: a
+   lease, or a WRITE into D) and the final output carries the `kv_transfer_params`. On
    cancel (client gone) or error they are freed too. No exit path keeps blocks outside the
    pool or a lease. A push-mode prefill that ends any other way than by handing its blocks
    over (not admitted, cancelled, failed, stopped early) tells the connector
@@ -20,31 +20,23 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import itertools
 import logging
 import random
 import time
-import weakref
-from collections import deque
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol, runtime_checkable
-
-import torch
+from typing import Any
 
 from pdgate.common import char_bound
-from pdgate.contract.kv_contract import (
-    NotifyDecodeParams,
-    NotifyPrefillParams,
-    PushDecodeParams,
-    PushPrefillParams,
-)
+from pdgate.engine_shim.connector_api import KVConnectorAPI
 from pdgate.engine_shim.kv_cache import BlockPool, PagedKVCache
 from pdgate.engine_shim.kv_events import KVEventPublisher
+from pdgate.engine_shim.kv_inbound import InboundKV, InboundSettings
 from pdgate.engine_shim.kv_layout import LAYOUT_NAME
+from pdgate.engine_shim.kv_outbound import OutboundKV
 from pdgate.engine_shim.logs import fold_library_loggers
 from pdgate.engine_shim.metrics import ShimMetrics
 from pdgate.engine_shim.model import LlamaModel
@@ -65,17 +57,16 @@ from pdgate.engine_shim.sequence import (
     StepOutput,
 )
 from pdgate.engine_shim.staging import HostStaging, create_staging
-from pdgate.engine_shim.tracing import annotate, record_span, span
-from pdgate.engine_shim.transfer_errors import KVConnectorError, KVTransferError
+from pdgate.engine_shim.tracing import record_span, span
+from pdgate.engine_shim.transfer_log import TransferLog
 
 __all__ = [
-    "Engine", "EngineConfig", "EngineError", "EngineStopped", "KVLoadFailed", "KVTransfer",
+    "Engine", "EngineConfig", "EngineError", "EngineStopped", "KVConnectorAPI", "KVLoadFailed",
     "OutOfKVBlocks", "PromptTooLong", "RequestStream",
 ]
 
 log = logging.getLogger(__name__)
 
-_TRANSFER_LOG_LEN = 256  # entries kept for GET /debug/kv_transfers
 # Longer texts are tokenized (and chats rendered) in a worker thread: ~1 ms of the event
 # loop at most (the router's threshold too).
 INLINE_TOKENIZE_CHARS = 2000
@@ -129,60 +120,6 @@ class EngineConfig:
     reservation_abort_grace: float = 2.0
 
 
-class KVTransfer(Protocol):
-    """The connector calls the engine makes (engine_shim/connector.py `KVConnector`)."""
-
-    def hold_for_remote_decode(self, request_id: str, block_ids: list[int]) -> dict[str, Any]:
-        """Pin `block_ids` under a lease; return the `kv_transfer_params` for the reply."""
-        ...
-
-    async def pull(self, params: Mapping[str, object], local_block_ids: list[int]) -> int:
-        """Read the remote prompt blocks into `local_block_ids`; return bytes read. Raises
-        KVConnectorError (KVTransferError) on failure."""
-        ...
-
-    def abort(self, request_id: str) -> None:
-        """Release the leases of `request_id` (router's abort after a failed decode leg)."""
-        ...
-
-
-@runtime_checkable
-class KVPullTokens(Protocol):
-    """A connector that maps a prompt's tokens when P's block size differs from ours."""
-
-    async def pull_tokens(self, params: Mapping[str, object], local_block_ids: list[int],
-                          num_tokens: int) -> int: ...
-
-
-@runtime_checkable
-class KVPush(Protocol):
-    """The connector calls of the notify/push flows (P WRITEs into D; engine_shim/push.py)."""
-
-    def push_blocks(self, request_id: str, block_ids: list[int], num_tokens: int,
-                    params: NotifyPrefillParams | PushPrefillParams,
-                    first_token_ids: tuple[int, ...] = ()) -> dict[str, Any]:
-        """P: hand a finished prompt's blocks over for a WRITE into D; the reply params."""
-        ...
-
-    def expect_landing(self, tag: str) -> None: ...
-
-    def forget_landing(self, tag: str) -> None: ...
-
-    async def await_landing(self, tag: str, timeout: float) -> tuple[int, ...] | None:
-        """The tokens P named once its WRITE landed (maybe none); None: it did not land."""
-        ...
-
-    async def await_push(self, params: PushDecodeParams, request_id: str,
-                         local_block_ids: list[int], num_tokens: int
-                         ) -> tuple[int, tuple[int, ...]]:
-        """Bytes received and the tokens P named in its landed notice."""
-        ...
-
-    def fail_push(self, request_id: str, reason: str, detail: str) -> None:
-        """P: `request_id` will not be pushed; tell a D that registered for it."""
-        ...
-
-
 class Engine:
     """Owns model, tokenizer, KV cache and block pool; schedules requests (see module doc).
 
@@ -220,17 +157,19 @@ class Engine:
         # The character bound of early refusals (None: every prompt is tokenized).
         self.max_chars_per_token = None if self._backend is None else \
             char_bound.max_chars_per_token(self._backend)
-        self.connector: KVTransfer | None = None
-        self.transfer_log: deque[dict[str, Any]] = deque(maxlen=_TRANSFER_LOG_LEN)
+        self.connector: KVConnectorAPI | None = None
+        self.transfer_log = TransferLog(self.kv, config.kv_digests)
         self.scheduler = Scheduler(model, self.kv, self.pool, metrics, self._finish,
                                    after_step=self._publish_kv_events,
                                    on_release=self._released)
-        self.reservations = Reservations(config.reserve_seconds, self.free_blocks,
-                                         on_gone=self._forget_landing)
-        # Decode sequences admitted into reserved (notify) blocks -> the landing tag to await.
-        self._landing_for: weakref.WeakKeyDictionary[Sequence, str] = \
-            weakref.WeakKeyDictionary()
-        self._reaper: asyncio.Task[None] | None = None
+        self.outbound = OutboundKV(self.scheduler, self.staging, self.transfer_log)
+        self.inbound = InboundKV(
+            InboundSettings(failure_policy=config.kv_load_failure_policy,
+                            landing_timeout=config.landing_timeout,
+                            push_grace=config.push_grace,
+                            reserve_seconds=config.reserve_seconds,
+                            vocab_size=model.config.vocab_size),
+            self.kv, self.staging, self.scheduler, metrics, self.transfer_log)
         self._admit_counter = itertools.count()
         # Per-request seeds for requests without one when the engine has a seed (vLLM's
         # --seed): the same requests in the same order sample the same tokens.
@@ -273,9 +212,14 @@ class Engine:
         `kv_buffer_device="cpu"`, else the KV cache itself."""
         return self.kv if self.staging is None else self.staging
 
-    def attach_connector(self, connector: KVTransfer | None) -> None:
+    @property
+    def reservations(self) -> Reservations:
+        """Notify mode (D): blocks reserved for P's WRITE (`kv_inbound.py`)."""
+        return self.inbound.reservations
+
+    def attach_connector(self, connector: KVConnectorAPI | None) -> None:
         """Set the KV connector (the server's lifespan does, after `connector.start()`)."""
-        self.connector = connector
+        self.connector = self.inbound.connector = self.outbound.connector = connector
 
     # ---- tokenization: short texts inline, long ones in a worker thread ----
 
@@ -328,15 +272,13 @@ class Engine:
         if self.kv_events is not None:
             self.kv_events.start()  # first: a port that cannot be bound fails startup
         await self.scheduler.start()
-        self._reaper = asyncio.create_task(self._reap_reservations(), name="shim-reserve-reaper")
+        self.inbound.start()
 
     async def stop(self) -> None:
         """Stop the loop, fail what is in flight, free every block it held."""
-        if self._reaper is not None:
-            self._reaper.cancel()
-            await asyncio.gather(self._reaper, return_exceptions=True)
-            self._reaper = None
+        await self.inbound.stop()
         await self.scheduler.stop()
+        await self.outbound.drain()  # hand-overs finish before the connector closes
         self.reservations.release_all()
         self._publish_kv_events()
         if self.kv_events is not None:
@@ -347,12 +289,6 @@ class Engine:
         events = self.pool.take_events()
         if events and self.kv_events is not None:
             self.kv_events.publish(events)
-
-    async def _reap_reservations(self, interval: float = 0.5) -> None:
-        while True:
-            await asyncio.sleep(interval)
-            if self.reservations.expire():
-                log.warning("notify-mode reservations expired unclaimed; blocks freed")
 
     def free_blocks(self, block_ids: list[int]) -> None:
         """Return blocks to the pool from any thread (the connector frees leases with this)
@@ -374,7 +310,7 @@ class Engine:
             with span("queue", **{"pdgate.prompt_tokens": len(req.prompt_ids)}):
                 return await self._admit(req, opened)
         except (EngineError, asyncio.CancelledError) as e:
-            self._push_abandoned(req, f"not admitted: {type(e).__name__}: {e}")
+            self.outbound.abandoned(req, f"not admitted: {type(e).__name__}: {e}")
             raise
 
     async def _admit(self, req: GenerateRequest, opened: float) -> RequestStream:
@@ -404,7 +340,7 @@ class Engine:
         if req.role is not KVRole.DECODE:  # a pull/push target's blocks are written remotely
             self.scheduler.use_prefix_cache(seq)
         timeout = self.config.admission_timeout
-        if self._claim_reservation(seq):
+        if self.inbound.claim(seq):
             pass  # its prompt's blocks were reserved (notify mode): admitted already
         elif not self.scheduler.try_allocate(seq):
             if not await self.scheduler.wait_for_blocks(seq, timeout):
@@ -437,274 +373,22 @@ class Engine:
             raise OutOfKVBlocks(f"out of KV cache blocks: waited {timeout:g}s to reserve "
                                 f"{self.scheduler.blocks_for(num_tokens)} blocks")
         blocks, seq.block_ids = seq.block_ids, []
-        r = self.reservations.add(request_id, blocks, num_tokens)
-        if isinstance(self.connector, KVPush):
-            self.connector.expect_landing(r.reservation_id)
-        return r
-
-    def _forget_landing(self, tag: str) -> None:
-        if isinstance(self.connector, KVPush):
-            self.connector.forget_landing(tag)
-
-    def _kv_load_failed(self, seq: Sequence) -> None:
-        """The remote KV of `seq` could not be used: count it, then recompute the prompt
-        (the caller goes on) or, under the "fail" policy, end the request with a 502."""
-        series = self.metrics.series(seq.req.model)
-        if self.config.kv_load_failure_policy == "fail":
-            series.count_request("decode", "kv_load_failed")
-            raise KVLoadFailed(
-                f"request {seq.req.request_id}: the prompt's KV could not be loaded from the "
-                "prefill engine (kv_load_failure_policy=fail)")
-        series.count_request("decode", "recompute")
-
-    def _claim_reservation(self, seq: Sequence) -> bool:
-        """A notify-mode decode takes its reserved blocks; True when they cover the prompt
-        (it then awaits the landing in `_prepare`). A size mismatch frees them and the
-        prompt is recomputed."""
-        leg = seq.req.pdgate
-        if seq.req.role is not KVRole.DECODE or not isinstance(leg, NotifyDecodeParams):
-            return False
-        rid = leg.reservation_id
-        r = self.reservations.claim(rid)
-        if r is None or r.num_tokens != seq.num_prompt:
-            if r is not None:
-                self.free_blocks(list(r.block_ids))
-                self._forget_landing(r.reservation_id)
-            log.warning("request %s: reservation %r missing or for another prompt size; "
-                        "recomputing the prompt", seq.req.request_id, rid)
-            self._kv_load_failed(seq)
-            return False
-        seq.block_ids = list(r.block_ids)
-        self._landing_for[seq] = r.reservation_id
-        return True
+        return self.inbound.reserved(request_id, blocks, num_tokens)
 
     async def _prepare(self, seq: Sequence) -> None:
-        """Runs on the request's first read: get the remote KV if asked (pull: READ; notify:
-        await the landed WRITE; push: register with P and await it), then hand to the loop."""
+        """Runs on the request's first read: a decode gets its remote KV first
+        (`kv_inbound.py`), then the scheduler runs it."""
         if seq.req.role is KVRole.DECODE:
-            leg = seq.req.pdgate
-            with span("kv_transfer", **_transfer_attributes(seq.req)):
-                if isinstance(leg, NotifyDecodeParams):
-                    await self._await_notified(seq, leg)
-                elif isinstance(leg, PushDecodeParams):
-                    await self._await_pushed(seq, leg)
-                else:
-                    await self._pull_remote(seq)
-                annotate(**{"pdgate.kv.reused_tokens": seq.num_cached_tokens})
+            await self.inbound.receive(seq)
         self.scheduler.submit(seq)
 
-    async def _await_notified(self, seq: Sequence, leg: NotifyDecodeParams) -> None:
-        tag = self._landing_for.pop(seq, None)
-        if tag is None:
-            return  # no reservation: recompute (counted in _claim_reservation)
-        timeout = self.config.landing_timeout
-        deadline = leg.push_deadline
-        if deadline is not None:  # the router's: it stops waiting for this leg then
-            timeout = max(0.0, min(timeout, deadline - time.time()))
-        landed = isinstance(self.connector, KVPush) and await self.connector.await_landing(
-            tag, timeout) is not None
-        if not landed:
-            log.warning("request %s: P's write notice for %s did not arrive; recomputing",
-                        seq.req.request_id, tag)
-            self._kv_load_failed(seq)
-            return
-        if await self._stage_in(seq, list(seq.block_ids)):
-            self._mark_transferred(seq, len(seq.block_ids), "decode-notify")
-
-    async def _await_pushed(self, seq: Sequence, leg: PushDecodeParams) -> None:
-        connector = self.connector
-        n = seq.num_prompt
-        if not isinstance(connector, KVPush):
-            self._kv_load_failed(seq)
-            return
-        local = seq.block_ids[: self.scheduler.blocks_for(n)]
-        try:
-            _, tokens = await connector.await_push(leg, seq.req.request_id, local, n)
-        except asyncio.CancelledError:
-            # P may be writing into these blocks right now (it was told to stop): keep them
-            # out of the pool a little longer.
-            blocks, seq.block_ids = seq.block_ids, []
-            asyncio.get_running_loop().call_later(self.config.push_grace, self.free_blocks,
-                                                  blocks)
-            raise
-        except Exception as e:
-            log.warning("request %s: KV push failed (%s: %s); recomputing the prompt",
-                        seq.req.request_id, type(e).__name__, e)
-            self._no_prefill_token(seq)
-            self._kv_load_failed(seq)
-            return
-        if seq.req.continue_after_prefill:
-            vocab = self.model.config.vocab_size
-            if not tokens or len(tokens) >= seq.req.max_tokens or \
-                    not all(0 <= t < vocab for t in tokens):
-                self._no_prefill_token(seq)
-            seq.resume(tokens)
-        if await self._stage_in(seq, local):
-            self._mark_transferred(seq, len(local), "decode-push")
-
-    def _no_prefill_token(self, seq: Sequence) -> None:
-        """A decode asked to continue after P's token cannot learn that token: fail it (the
-        router, which streamed P's token, continues it elsewhere) instead of sampling anew."""
-        if seq.req.continue_after_prefill:
-            self.metrics.series(seq.req.model).count_request("decode", "kv_load_failed")
-            raise KVLoadFailed(f"request {seq.req.request_id}: no token from the prefill "
-                               "engine to continue after (its KV push did not land)")
-
-    def _mark_transferred(self, seq: Sequence, blocks: int, role: str) -> None:
-        seq.num_computed = _reusable(seq, blocks * self.block_size)
-        seq.num_cached_tokens = seq.num_computed
-        layout = self.kv.layout
-        self._log_transfer(seq.req.request_id, role, seq.block_ids[:blocks],
-                           blocks * 2 * layout.num_layers * layout.block_bytes,
-                           num_tokens=seq.num_prompt)
-
-    async def _stage_in(self, seq: Sequence, blocks: list[int]) -> bool:
-        """Host staging (D): copy the landed blocks host -> device before the model reads
-        them. False (the prompt is recomputed) when the copy failed. On cancel the blocks go
-        back to the pool only once the copy into them has finished."""
-        staging = self.staging
-        if staging is None:
-            return True
-        task = asyncio.ensure_future(asyncio.to_thread(staging.to_device, blocks))
-        try:
-            await asyncio.shield(task)
-        except asyncio.CancelledError:
-            held, seq.block_ids = seq.block_ids, []
-            task.add_done_callback(lambda _t: self.free_blocks(held))
-            raise
-        except Exception:
-            log.exception("request %s: staging the KV in failed; recomputing the prompt",
-                          seq.req.request_id)
-            self._kv_load_failed(seq)
-            return False
-        return True
-
-    async def _pull_remote(self, seq: Sequence) -> None:
-        remote = seq.req.remote_block_ids
-        n = seq.num_prompt
-        # A connector that maps tokens takes P's blocks whatever P's block size; else they
-        # must fit ours one for one.
-        mapped = isinstance(self.connector, KVPullTokens)
-        if self.connector is None or not remote or (
-                not mapped and len(remote) > self.scheduler.blocks_for(n)):
-            log.warning(
-                "request %s: cannot pull %d remote blocks for a %d-token prompt (connector %s);"
-                " recomputing the prompt", seq.req.request_id, len(remote), n,
-                "missing" if self.connector is None else "present",
-            )
-            self._kv_load_failed(seq)
-            return
-        local = seq.block_ids[: self.scheduler.blocks_for(n) if mapped else len(remote)]
-        task = asyncio.ensure_future(self._pull_and_stage(self.connector, seq, local))
-        try:
-            nbytes = await asyncio.shield(task)
-        except asyncio.CancelledError:
-            # NIXL may still be writing into these blocks: free them only once it is done.
-            blocks, seq.block_ids = seq.block_ids, []
-            task.add_done_callback(lambda _t: self.free_blocks(blocks))
-            raise
-        except Exception as e:  # a failed pull falls back to recompute, never to an error
-            if not isinstance(e, KVConnectorError):
-                log.exception("request %s: KV pull raised unexpectedly", seq.req.request_id)
-            log.warning("request %s: KV pull failed (%s: %s); recomputing the prompt",
-                        seq.req.request_id, type(e).__name__, e)
-            self._kv_load_failed(seq)
-            return
-        layout = self.kv.layout
-        received = nbytes // (2 * layout.num_layers * layout.token_bytes)
-        seq.num_computed = _reusable(seq, received)
-        seq.num_cached_tokens = seq.num_computed
-        self._log_transfer(seq.req.request_id, "decode", local, nbytes, num_tokens=n)
-
-    async def _pull_and_stage(self, connector: KVTransfer, seq: Sequence,
-                              local: list[int]) -> int:
-        """READ the prompt's KV into `local` (through the host staging mirror, then copied
-        to the device, when staging is on); the bytes read."""
-        if isinstance(connector, KVPullTokens):
-            nbytes = await connector.pull_tokens(seq.req.remote, local, seq.num_prompt)
-        else:
-            nbytes = await connector.pull(seq.req.remote, local)
-        if self.staging is not None:
-            await asyncio.to_thread(self.staging.to_device, local)
-        return nbytes
-
-    def _finish(self, seq: Sequence, final: StepOutput) -> StepOutput:
-        """Scheduler hook: a prefill that ran to its length cap hands its prompt's blocks to
-        the connector (vLLM: an early stop sends no params and D recomputes)."""
-        if seq.req.role is not KVRole.PREFILL:
-            return final
-        params = self._hand_over(seq) if seq.finish_reason == "length" else None
-        if params is None:
-            self._push_abandoned(seq.req, f"prefill ended ({seq.finish_reason}) without "
-                                 "handing its KV over")
-            return final
-        return dataclasses.replace(final, kv_transfer_params=params)
+    def _finish(self, seq: Sequence, final: StepOutput) -> StepOutput | None:
+        """Scheduler hook: a prefill that ran to its length cap hands its KV over
+        (`kv_outbound.py`); None while that runs."""
+        return self.outbound.finish(seq, final)
 
     def _released(self, seq: Sequence, status: str) -> None:
-        """Scheduler hook: a sequence's blocks went back to the pool. A push-mode prefill
-        that did not finish ("aborted": cancelled, "error": the model failed) will push
-        nothing."""
-        if status != "ok":
-            self._push_abandoned(seq.req, f"prefill {status}")
-
-    def _push_abandoned(self, req: GenerateRequest, detail: str) -> None:
-        """A push-mode prefill leg will never hand its KV over: have the connector tell the
-        decode engine that registered for it (else D waits for its transfer timeout)."""
-        if req.role is not KVRole.PREFILL or not isinstance(req.pdgate, PushPrefillParams):
-            return
-        if isinstance(self.connector, KVPush):
-            self.connector.fail_push(req.request_id, "prefill", detail)
-
-    def _hand_over(self, seq: Sequence) -> dict[str, Any] | None:
-        """Give the prompt's blocks to the connector's lease; the params for the reply."""
-        if self.connector is None:
-            log.warning("request %s: do_remote_decode without a connector; no kv_transfer_params",
-                        seq.req.request_id)
-            return None
-        keep = self.scheduler.blocks_for(seq.num_prompt)
-        held = seq.block_ids[:keep]
-        leg = seq.req.pdgate
-        try:
-            if self.staging is not None:  # the peer may read the host mirror from now on
-                self.staging.to_host(held)
-            if isinstance(leg, NotifyPrefillParams | PushPrefillParams) and \
-                    isinstance(self.connector, KVPush):
-                params = self.connector.push_blocks(seq.req.request_id, held, seq.num_prompt,
-                                                    leg, tuple(seq.token_ids[seq.num_prompt:]))
-            else:
-                params = self.connector.hold_for_remote_decode(seq.req.request_id, held)
-        except KVTransferError as exc:  # e.g. the router aborted it while it prefilled
-            log.info("request %s: KV not handed over: %s", seq.req.request_id, exc)
-            return None
-        except Exception:
-            log.exception("request %s: handing the KV over failed", seq.req.request_id)
-            return None
-        seq.block_ids = seq.block_ids[keep:]  # what the lease took is no longer ours to free
-        self._log_transfer(seq.req.request_id, "prefill", held,
-                           len(held) * 2 * self.kv.layout.num_layers * self.kv.layout.block_bytes,
-                           num_tokens=seq.num_prompt)
-        return params
-
-    def _log_transfer(self, request_id: str, role: str, blocks: list[int], nbytes: int,
-                      num_tokens: int | None = None) -> None:
-        """Record a hand-over (P) or a pull (D) for GET /debug/kv_transfers. The digest covers
-        the bytes of the blocks' first `num_tokens` token slots (all of them when None) in
-        (layer, K|V, token) order: the same on both sides, whatever their block sizes."""
-        # On D this runs in the request's `kv_transfer` span; P's hand-over runs in the
-        # engine loop, outside any request span (annotate is a no-op there).
-        annotate(**{"pdgate.kv.bytes": nbytes, "pdgate.kv.descriptors": len(blocks)})
-        digest = None
-        if self.config.kv_digests:
-            data = self.kv.planes()[:, :, blocks]
-            if num_tokens is not None:
-                lay = self.kv.layout
-                data = data.reshape(lay.num_layers, 2, -1, lay.num_kv_heads, lay.head_dim)
-                data = data[:, :, :num_tokens]
-            data = data.contiguous().cpu()
-            digest = hashlib.sha256(data.view(torch.uint8).numpy().tobytes()).hexdigest()
-        self.transfer_log.append({"request_id": request_id, "role": role, "blocks": len(blocks),
-                                  "bytes": nbytes, "digest": digest})
-
+        self.outbound.released(seq, status)
 
 class RequestStream:
     """Async iterator of a request's `StepOutput`s; the last has `finish_reason` set.
@@ -783,30 +467,6 @@ class RequestStream:
             record_span("decode", first, time.time_ns(), **{
                 "pdgate.output_tokens": len(seq.token_ids) - seq.num_prompt,
                 "pdgate.finish_reason": seq.finish_reason})
-
-
-def _transfer_attributes(req: GenerateRequest) -> dict[str, Any]:
-    """The `kv_transfer` span's attributes known before it runs: mode, who moves the bytes
-    (pull: D READs; notify/push: P WRITEs) and the peer (notify: D is not told which P)."""
-    leg = req.pdgate
-    if isinstance(leg, PushDecodeParams):
-        mode, engine, host, port = "push", leg.remote_engine_id, leg.remote_host, leg.remote_port
-    elif isinstance(leg, NotifyDecodeParams):
-        mode, engine, host, port = "notify", None, None, None
-    else:
-        remote = req.remote or {}
-        mode, engine = "pull", remote.get("remote_engine_id")
-        host, port = remote.get("remote_host"), remote.get("remote_port")
-    return {"pdgate.kv.mode": mode, "pdgate.kv.op": "READ" if mode == "pull" else "WRITE",
-            "pdgate.kv.peer_engine_id": engine if isinstance(engine, str) else None,
-            "pdgate.kv.peer": f"{host}:{port}" if host is not None else None}
-
-
-def _reusable(seq: Sequence, received_tokens: int) -> int:
-    """How many of `seq`'s tokens the transferred KV lets the model skip. The last known
-    token is always computed: its logits give the next token (with `first_token_ids`, that
-    is P's token, so the whole prompt's KV is used)."""
-    return max(0, min(received_tokens, seq.num_prompt, len(seq.token_ids) - 1))
 
 
 def _max_model_len(config: EngineConfig, model: LlamaModel) -> int:

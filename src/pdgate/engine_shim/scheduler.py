@@ -33,7 +33,7 @@ from pdgate.engine_shim.sequence import EngineError, EngineStopped, Sequence, St
 
 log = logging.getLogger(__name__)
 
-FinishHook = Callable[[Sequence, StepOutput], StepOutput]
+FinishHook = Callable[[Sequence, StepOutput], StepOutput | None]
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,10 @@ class Work:
 
 class Scheduler:
     """See the module docstring. `on_finish(seq, final_output)` runs (event-loop thread) when
-    a sequence finishes, before its remaining blocks are freed: the engine uses it to hand a
-    prefill's blocks to the connector (removing them from `seq.block_ids`)."""
+    a sequence finishes, before its remaining blocks are freed; it returns the final output
+    to deliver, or None when it takes the sequence over: the engine then hands a prefill's
+    blocks to the connector off the loop, and calls `release(seq, "ok")` and delivers the
+    final output itself once that is done."""
 
     def __init__(
         self, model: LlamaModel, kv: PagedKVCache, pool: BlockPool, metrics: ShimMetrics,
@@ -341,6 +343,8 @@ class Scheduler:
             if seq.finished:
                 self._running.remove(seq)
                 out = self._on_finish(seq, out if out is not None else seq.output(""))
+                if out is None:
+                    continue  # taken over (a hand-over in flight)
                 self.release(seq, "ok")
             if out is not None:
                 seq.queue.put_nowait(out)

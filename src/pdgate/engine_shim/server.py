@@ -26,7 +26,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -38,7 +38,8 @@ from pdgate.contract.kv_contract import PushDecodeParams
 from pdgate.engine_shim import openai_types as ot
 from pdgate.engine_shim.auth import EngineAuth
 from pdgate.engine_shim.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
-from pdgate.engine_shim.engine import Engine, EngineError, KVTransfer, RequestStream
+from pdgate.engine_shim.connector_api import KVConnectorAPI
+from pdgate.engine_shim.engine import Engine, EngineError, RequestStream
 from pdgate.engine_shim.sequence import GenerateRequest, KVRole, StepOutput
 from pdgate.engine_shim.tracing import span
 
@@ -47,24 +48,8 @@ log = logging.getLogger(__name__)
 _COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI / vLLM legacy-completions default
 
 
-class ManagedConnector(KVTransfer, Protocol):
-    """What the lifespan needs beyond the engine's calls: start/close and the lease view."""
-
-    def start(self) -> None: ...
-
-    def close(self) -> None: ...
-
-    def leased_blocks(self) -> int: ...
-
-
-ConnectorFactory = Callable[[Engine], ManagedConnector]
-
-
-@runtime_checkable
-class KVInfo(Protocol):
-    """A connector that can tell peers where it is (notify/push flows)."""
-
-    def kv_info(self) -> dict[str, object]: ...
+ManagedConnector = KVConnectorAPI  # the name the CLI and the tests import
+ConnectorFactory = Callable[[Engine], KVConnectorAPI]
 
 
 class ReserveRequest(msgspec.Struct, kw_only=True):
@@ -197,7 +182,7 @@ def _add_routes(app: FastAPI, engine: Engine, api_key: str | None) -> None:
     async def kv_reserve(request: Request) -> Response:
         body = ot.decode_request(await request.body(), ReserveRequest)
         connector = engine.connector
-        if not isinstance(connector, KVInfo):
+        if connector is None:
             raise ot.RequestError("this engine cannot receive pushed KV", status=404,
                                   error_type="NotFoundError")
         r = await engine.reserve(body.request_id, body.num_tokens)
@@ -206,14 +191,14 @@ def _add_routes(app: FastAPI, engine: Engine, api_key: str | None) -> None:
 
     @app.api_route("/v1/kv/info", methods=["GET", "POST"])
     async def kv_info() -> Response:
-        if not isinstance(engine.connector, KVInfo):
+        if engine.connector is None:
             raise ot.RequestError("this engine has no KV connector", status=404,
                                   error_type="NotFoundError")
         return _json(engine.connector.kv_info())
 
     @app.get("/debug/kv_transfers")
     async def kv_transfers() -> Response:
-        return _json({"transfers": list(engine.transfer_log)})
+        return _json({"transfers": list(engine.transfer_log.entries)})
 
 
 async def _serve(

@@ -65,9 +65,22 @@ class Admission:
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._on_change = on_change
         self._on_wait = on_wait
-        # What a refused client should wait before trying again: about one queue timeout
-        # when the queue is full, capped so clients come back soon.
-        self.retry_after_s = max(1, min(30, math.ceil(queue_timeout_s)))
+        # When slots were last freed, and the smoothed gap between two: how soon a place
+        # in the queue opens, what a refused client is told to wait (`retry_after_s`).
+        self._last_release: float | None = None
+        self._release_gap = 0.0
+
+    @property
+    def retry_after_s(self) -> int:
+        """Seconds a refused client should wait (Retry-After), from the queue's real state:
+        the time until a slot frees and the queue moves up one place, estimated from the
+        recent gaps between freed slots (at least the time since the last one, so a stuck
+        queue says so); a queue never seen moving says one queue timeout. 1 to 30."""
+        if self._last_release is None:
+            wait = self.queue_timeout_s
+        else:
+            wait = max(self._release_gap, time.monotonic() - self._last_release)
+        return max(1, min(30, math.ceil(wait)))
 
     @property
     def queued(self) -> int:
@@ -117,6 +130,10 @@ class Admission:
         self._changed()
 
     def _release(self) -> None:
+        now = time.monotonic()
+        if self._last_release is not None:
+            self._release_gap = 0.8 * self._release_gap + 0.2 * (now - self._last_release)
+        self._last_release = now
         while self._waiters:
             fut = self._waiters.popleft()
             if not fut.done():

@@ -51,6 +51,12 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                       "vllm-router's `URL BOOTSTRAP_PORT` or `URL none` is accepted (the port "
                       "is ignored: pdgate's KV handshake needs none)"),
     ("decode", list, "decode engine base URL, e.g. http://10.0.0.2:8200 (repeatable)"),
+    ("prefill_dp_size", int, "data-parallel ranks behind each prefill URL (vLLM "
+                             "--data-parallel-size N, internal load balancing): each rank "
+                             "is routed to as its own engine, pinned with "
+                             "X-data-parallel-rank"),
+    ("decode_dp_size", int, "data-parallel ranks behind each decode URL (as "
+                            "--prefill-dp-size)"),
     ("served_model_name", list, "model name clients may request (repeatable; "
                                 "default: --model)"),
     ("engine_model_name", str, "model name the engines serve: a request for any served name "
@@ -191,7 +197,7 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
 
 # --help sections, in order; every field is in exactly one (a test checks).
 _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("engines", ("model", "prefill", "decode",
+    ("engines", ("model", "prefill", "decode", "prefill_dp_size", "decode_dp_size",
                  "served_model_name", "engine_model_name",
                  "tokenizer", "max_model_len", "discovery", "namespace", "prefill_selector",
                  "decode_selector", "prefill_port", "decode_port", "engine_scheme",

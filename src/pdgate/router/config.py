@@ -56,6 +56,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     model: str
     prefill: list[str] = []
     decode: list[str] = []
+    # DP ranks behind each engine URL (vLLM --data-parallel-size with internal load
+    # balancing): each rank is routed as an endpoint of its own (router/dp_ranks.py).
+    prefill_dp_size: int = 1
+    decode_dp_size: int = 1
     served_model_name: list[str] = []
     # The name engines know the model by; requests for another served name are rewritten to
     # it, so aliases work with engines that serve one name.
@@ -239,6 +243,9 @@ def validate_config(config: RouterConfig, policy_names: frozenset[str]) -> Route
     _validate_routing(config)
     _validate_notify(config)
     _validate_resilience(config)
+    for field in ("prefill_dp_size", "decode_dp_size"):
+        if getattr(config, field) < 1:
+            raise ConfigError(f"{field}: must be >= 1")
     for field in ("prefill", "decode"):
         for url in getattr(config, field):
             if not url.startswith(("http://", "https://")):

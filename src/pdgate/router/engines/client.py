@@ -71,7 +71,7 @@ async def _read_body(url: str, resp: Response, limit: int, *, deadline: float | 
     """The whole 2xx body, refused (`EngineReplyTooLarge`, connection closed) as soon as it
     is known to exceed `limit` bytes: by Content-Length before reading, else while reading.
     Each read waits until `deadline`, or `per_read_s` from its start. Holds the pieces and
-    joins them once."""
+    joins them once. The caller releases `resp`."""
     declared = resp.content_length
     if declared is not None and declared > limit:
         resp.close()
@@ -86,7 +86,6 @@ async def _read_body(url: str, resp: Response, limit: int, *, deadline: float | 
             resp.close()
             raise EngineReplyTooLarge(f"engine {url} sent a reply over the {limit}-byte limit")
         pieces.append(piece)
-    resp.release()
     return pieces[0] if len(pieces) == 1 else b"".join(pieces)
 
 
@@ -159,22 +158,30 @@ class EngineClient:
         """POST a non-streaming prefill leg; P's reply decoded, checked and matched to the
         request (`replies.decode_prefill`). One deadline (the prefill timeout) bounds the
         whole exchange."""
-        raw, rid = await self._post_checked(url, path, body, headers)
-        return self._matched(decode_prefill, url, path, raw, rid)
+        rid = _request_id(headers)
+
+        def check(raw: bytes, echoed: str | None) -> PrefillReply:
+            _check_echo(url, "X-Request-Id", echoed, rid)
+            return decode_prefill(url, path, raw, rid)
+
+        return await self._post(url, path, body, headers, check, "prefill",
+                                _deadline(self._cfg.prefill_timeout_s), None)
 
     async def kv_info(self, url: str, headers: Mapping[str, str]) -> KVInfo:
         """`POST /v1/kv/info`: the engine's NIXL identity (a 404: not a shim)."""
         path = "/v1/kv/info"
-        raw, _ = await self._post_checked(url, path, b"{}", headers)
-        return decode_kv_info(url, path, raw)
+        return await self._post(url, path, b"{}", headers,
+                                lambda raw, _: decode_kv_info(url, path, raw), "prefill",
+                                _deadline(self._cfg.prefill_timeout_s), None)
 
     async def kv_reserve(self, url: str, request_id: str, num_tokens: int,
                          headers: Mapping[str, str]) -> KVReservation:
         """`POST /v1/kv/reserve`: blocks on D for `num_tokens` prompt tokens."""
         path = "/v1/kv/reserve"
         body = _json_encode({"request_id": request_id, "num_tokens": num_tokens})
-        raw, _ = await self._post_checked(url, path, body, headers)
-        return decode_reservation(url, path, raw)
+        return await self._post(url, path, body, headers,
+                                lambda raw, _: decode_reservation(url, path, raw), "prefill",
+                                _deadline(self._cfg.prefill_timeout_s), None)
 
     async def post_raw(
         self, url: str, path: str, body: bytes, headers: Mapping[str, str]
@@ -184,20 +191,14 @@ class EngineClient:
         only when generation is done, so one read deadline (first byte) bounds the header
         wait and each body read."""
         rid = _request_id(headers)
-        raw, echoed = await self._post(url, path, body, headers, "decode", None,
-                                       self._cfg.decode_first_byte_timeout_s)
-        self._matched(_check_echo, url, "X-Request-Id", echoed, rid)
-        self._matched(check_reply, url, path, raw, rid)
-        return raw
 
-    async def _post_checked(self, url: str, path: str, body: bytes,
-                            headers: Mapping[str, str]) -> tuple[bytes, str | None]:
-        """A prefill-deadline POST's 2xx body, its echoed request id checked."""
-        rid = _request_id(headers)
-        total = _deadline(self._cfg.prefill_timeout_s)
-        raw, echoed = await self._post(url, path, body, headers, "prefill", total, None)
-        self._matched(_check_echo, url, "X-Request-Id", echoed, rid)
-        return raw, rid
+        def check(raw: bytes, echoed: str | None) -> bytes:
+            _check_echo(url, "X-Request-Id", echoed, rid)
+            check_reply(url, path, raw, rid)
+            return raw
+
+        return await self._post(url, path, body, headers, check, "decode", None,
+                                self._cfg.decode_first_byte_timeout_s)
 
     def _matched(self, check: Callable[..., T], *args: Any) -> T:
         """`check(*args)`, counting an `AnswerMismatch` it raises."""
@@ -208,10 +209,11 @@ class EngineClient:
             raise
 
     async def _post(self, url: str, path: str, body: bytes, headers: Mapping[str, str],
-                    what: str, total: float | None, per_read_s: float | None
-                    ) -> tuple[bytes, str | None]:
-        """The 2xx body of a non-streaming POST, read within `max_engine_reply_bytes`, and
-        the `X-Request-Id` the engine echoed."""
+                    check: Callable[[bytes, str | None], T], what: str, total: float | None,
+                    per_read_s: float | None) -> T:
+        """`check(body, echoed X-Request-Id)` of the 2xx reply to a non-streaming POST,
+        read within `max_engine_reply_bytes`. The connection goes back to the pool only
+        after `check` passed: an answer refused (e.g. to another request) closes it."""
         with translate(url, what):
             connect = _deadline(self._cfg.connect_timeout_s)
             if total is not None:
@@ -220,17 +222,17 @@ class EngineClient:
             resp = await self._pool.request("POST", url, path, body, headers,
                                             connect_deadline=connect, deadline=first)
             try:
-                status = resp.status
-                if status >= 300:
+                if resp.status >= 300:
                     raw = await _read_capped(resp, first if per_read_s is None
                                              else _deadline(per_read_s))
-                else:
-                    raw = await _read_body(url, resp, self._cfg.max_engine_reply_bytes,
-                                           deadline=total, per_read_s=per_read_s)
+                    check_status(url, path, resp.status, raw, body)
+                raw = await _read_body(url, resp, self._cfg.max_engine_reply_bytes,
+                                       deadline=total, per_read_s=per_read_s)
+                result = self._matched(check, raw, header_id(resp.headers))
+                resp.release()
             finally:
                 resp.close()  # no-op once released
-        check_status(url, path, status, raw, body)
-        return raw, header_id(resp.headers)
+        return result
 
     async def open_stream(
         self, url: str, path: str, body: bytes, headers: Mapping[str, str]

@@ -191,7 +191,7 @@ async def run_leg(
     else:
         if not stream:
             ep.health.record_success()
-        req.served_by[role] = ep.url
+        req.served_by[role] = ep.key
         return result
 
     async def attempt(r: ClientRequest, ex: Exclusions) -> T:
@@ -208,7 +208,7 @@ async def run_leg(
             raise LegFailure(role, ep, exc) from None
         if not stream:
             ep.health.record_success()
-        r.served_by[role] = ep.url
+        r.served_by[role] = ep.key
         return result
 
     return await _failover_from(1, failed, req, attempt, Exclusions(),

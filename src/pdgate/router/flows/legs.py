@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pdgate.router.dp_ranks import split_key
 from pdgate.router.engines.client import EngineClient, EngineStream
 from pdgate.router.engines.replies import (
     PrefillReply,
@@ -53,12 +54,12 @@ class PrefillLeg:
               req: ClientRequest, body: bytes) -> PrefillLeg:
         async def call() -> PrefillReply:
             # The task copies the request's context, so the span is the request's child.
-            with pool.track(ep), span("prefill_leg", **{"pdgate.engine": ep.url}):
-                return await engines.prefill(ep.url, req.path, body, req.engine_headers)
+            with pool.track(ep), span("prefill_leg", **{"pdgate.engine": ep.key}):
+                return await engines.prefill(ep.url, req.path, body, ep.pin(req.engine_headers))
 
         task = asyncio.create_task(call(), name=f"prefill-{req.request_id}")
         task.add_done_callback(_consume)
-        req.served_by["prefill"] = ep.url
+        req.served_by["prefill"] = ep.key
         return cls(task, ep, time.perf_counter())
 
     def error(self) -> BaseException | None:
@@ -93,14 +94,14 @@ def _consume(task: asyncio.Task[Any]) -> None:
         task.exception()
 
 
-async def open_continuation(engines: EngineClient, req: ClientRequest, url: str,
+async def open_continuation(engines: EngineClient, req: ClientRequest, ep: Endpoint,
                             kv_params: dict[str, Any], stack: contextlib.ExitStack
                             ) -> EngineStream:
     """Open the decode leg that continues a stream the client already has (early first
     token): the client's body with `kv_params` as its `kv_transfer_params`. The stream is
     closed with `stack`."""
     body = decode_leg_body(req.body, kv_params)
-    stream = await engines.open_stream(url, req.path, body, req.engine_headers)
+    stream = await engines.open_stream(ep.url, req.path, body, ep.pin(req.engine_headers))
     stack.callback(stream.close)
     return stream
 
@@ -141,9 +142,9 @@ class DecodeLeg:
     def abort_prefill(self, req: ClientRequest, prefill: PrefillOutcome | None) -> None:
         """Tell the P that served `req` to free the blocks it pinned for it (best effort,
         in the background). No-op when P pinned nothing."""
-        url = req.served_by.get("prefill")
-        if prefill is not None and prefill.kv_params is not None and url is not None:
-            self.parts.aborter.abort(url, req.request_id)
+        key = req.served_by.get("prefill")
+        if prefill is not None and prefill.kv_params is not None and key is not None:
+            self.parts.aborter.abort(split_key(key)[0], req.request_id)
 
     def _bodies(self, req: ClientRequest, prefill: PrefillOutcome | None,
                 base: dict[str, Any] | None = None) -> _DecodeBodies:
@@ -158,7 +159,8 @@ class DecodeLeg:
 
         async def call(ep: Endpoint) -> bytes:
             with parts.pool.track(ep), bodies.attempt() as body:
-                return await parts.engines.post_raw(ep.url, req.path, body, req.engine_headers)
+                return await parts.engines.post_raw(ep.url, req.path, body,
+                                                    ep.pin(req.engine_headers))
 
         with span("decode_leg"):
             raw = await run_leg(parts, "decode", req, call, reuse=bodies.take_fresh)
@@ -196,7 +198,7 @@ class DecodeLeg:
             try:
                 with bodies.attempt() as body:
                     stream = await parts.engines.open_stream(
-                        ep.url, req.path, body, req.engine_headers)
+                        ep.url, req.path, body, ep.pin(req.engine_headers))
                     # vLLM reports a decode it cannot start as 200 + an SSE error event.
                     await stream.check_start(parts.engines.first_byte_timeout_s)
             except BaseException:
@@ -221,7 +223,7 @@ class DecodeLeg:
         if d_ep is None:
             d_ep = await choose(parts.pool, "decode", parts.policies["decode"],
                                 PickContext.of(req))
-        req.served_by["decode"] = d_ep.url
+        req.served_by["decode"] = d_ep.key
         bodies = self._bodies(req, prefill, continuation(req.body, first))
         chosen = d_ep
 

@@ -105,7 +105,7 @@ class NotifyFlow:
             self.aborter.abort(d_ep.url, req.request_id, write_possible=False)
             raise
         wait = self._wait_kv(req, leg, p_ep, d_ep, slot, num_tokens)
-        req.served_by["decode"] = d_ep.url
+        req.served_by["decode"] = d_ep.key
         if req.stream and self.early is not None and eligible(req):
             return await self._stream_early(req, d_ep, leg, asyncio.ensure_future(wait), t0)
         kv = await wait
@@ -232,8 +232,9 @@ class NotifyFlow:
         o = self.parts
         body = decode_leg_body(req.body, None if kv.params is None else remote_prefill(kv.params))
         try:
-            with o.pool.track(d_ep), span("decode_leg", **{"pdgate.engine": d_ep.url}):
-                raw = await o.engines.post_raw(d_ep.url, req.path, body, req.engine_headers)
+            with o.pool.track(d_ep), span("decode_leg", **{"pdgate.engine": d_ep.key}):
+                raw = await o.engines.post_raw(d_ep.url, req.path, body,
+                                               d_ep.pin(req.engine_headers))
         except BaseException:
             self.aborter.abort(d_ep.url, req.request_id)
             raise
@@ -296,7 +297,7 @@ class NotifyFlow:
         async def rest(stack: contextlib.ExitStack) -> AsyncIterator[bytes]:
             params = await self._continue_params(req, wait, ids)
             stack.enter_context(o.pool.track(d_ep))
-            stream = await open_continuation(o.engines, req, d_ep.url, params, stack)
+            stream = await open_continuation(o.engines, req, d_ep, params, stack)
             return stream.chunks()
 
         def on_close(source: EarlyStream) -> None:

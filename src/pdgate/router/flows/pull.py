@@ -79,7 +79,7 @@ class PullFlow:
             with parts.pool.track(ep):
                 try:
                     return await parts.engines.prefill(
-                        ep.url, req.path, body, req.engine_headers)
+                        ep.url, req.path, body, ep.pin(req.engine_headers))
                 except (asyncio.CancelledError, EngineTimeout):
                     # P may still finish this prefill and pin blocks nobody will read.
                     parts.aborter.abort(ep.url, req.request_id)

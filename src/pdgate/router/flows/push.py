@@ -88,7 +88,7 @@ class PushFlow:
         self.fallback = fallback  # the pull flow: P cannot push, or no healthy P
         self.metrics = metrics
         self.aborter = parts.aborter
-        self.peers = PushPeers(info)
+        self.peers = PushPeers(info, parts.metrics)
         self.early = early  # None: no early first token
 
     async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult:
@@ -128,7 +128,7 @@ class PushFlow:
         ).to_params()
         d_body = decode_leg_body(req.body, remote_prefill(d_params))
         leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, p_body)
-        req.served_by["decode"] = d_ep.url
+        req.served_by["decode"] = d_ep.key
         watch = self._watch(req, leg, p_ep, d_ep)
         try:
             if early:
@@ -158,7 +158,7 @@ class PushFlow:
         if req.stream and self.early is not None and wants_early(req):
             return await self._vllm_early(req, p_ep, d_ep, t0)
         leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, prefill_leg_body(req.body))
-        req.served_by["decode"] = d_ep.url
+        req.served_by["decode"] = d_ep.key
         watch = self._watch(req, leg, p_ep, d_ep, vllm=True, sent=identity)
         try:
             if identity is None:
@@ -202,7 +202,7 @@ class PushFlow:
         first = self.early.listed(req, reply) if reply is not None and d_params is not None \
             else None
         outcome = PrefillOutcome(d_params, leg.usage(), first)
-        req.served_by["decode"] = d_ep.url
+        req.served_by["decode"] = d_ep.key
         if first is None:
             return await self.decode.open(req, outcome, t0, MODE)
         return await self.decode.stream_early(req, outcome, first, t0, d_ep, MODE)
@@ -212,8 +212,9 @@ class PushFlow:
         o = self.parts
 
         async def call() -> bytes:
-            with o.pool.track(d_ep), span("decode_leg", **{"pdgate.engine": d_ep.url}):
-                return await o.engines.post_raw(d_ep.url, req.path, body, req.engine_headers)
+            with o.pool.track(d_ep), span("decode_leg", **{"pdgate.engine": d_ep.key}):
+                return await o.engines.post_raw(d_ep.url, req.path, body,
+                                                d_ep.pin(req.engine_headers))
 
         raw = await watch.run(asyncio.create_task(call()))
         o.metrics.observe_ttft(MODE, t0)
@@ -226,9 +227,10 @@ class PushFlow:
         stack = contextlib.ExitStack()
         stack.enter_context(self.parts.pool.track(d_ep))
         opening = asyncio.create_task(
-            self.parts.engines.open_stream(d_ep.url, req.path, body, req.engine_headers))
+            self.parts.engines.open_stream(d_ep.url, req.path, body,
+                                           d_ep.pin(req.engine_headers)))
         try:
-            with span("decode_leg_open", **{"pdgate.engine": d_ep.url}):
+            with span("decode_leg_open", **{"pdgate.engine": d_ep.key}):
                 stream = await watch.run(opening)
         except BaseException:
             stack.close()
@@ -303,7 +305,7 @@ class PushFlow:
                             req.request_id, exc.message)
             self.metrics.early_tokens.labels("recompute").inc()
             again = Continuation(first_token_ids=ids).to_params()
-            fresh = await open_continuation(o.engines, req, d_ep.url, again, stack)
+            fresh = await open_continuation(o.engines, req, d_ep, again, stack)
             return fresh.chunks()
 
         head = head_chunks(token, req.kind == "chat", req.wants_usage_chunks)

@@ -68,6 +68,7 @@ def endpoint_info(ep: Endpoint) -> dict[str, Any]:
     """What `GET /admin/engines` shows of one engine."""
     return {
         "url": ep.url,
+        "rank": ep.rank,  # DP rank behind the URL (None: not data-parallel)
         "role": ep.role,
         "healthy": ep.healthy,
         "draining": ep.draining,

@@ -152,7 +152,7 @@ async def _serving_state(
         pool = EndpointPool(config.prefill, config.decode, metrics, health=HealthSettings(
             config.health_failure_threshold, config.health_success_threshold,
             config.eject_consecutive_errors, config.breaker_open_s,
-        ))
+        ), dp_size={"prefill": config.prefill_dp_size, "decode": config.decode_dp_size})
 
         async def probe(ep: Endpoint) -> bool:
             return await engines.health(ep.url)

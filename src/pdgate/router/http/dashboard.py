@@ -268,9 +268,9 @@ def _status(ep: Endpoint) -> str:
 
 def _engines(pool: EndpointPool, metrics: RouterMetrics) -> list[EngineState]:
     batches = _by_label(metrics.kv_event_batches, "engine")
-    return [EngineState(ep.url, ep.role, _status(ep), ep.healthy, ep.draining,
+    return [EngineState(ep.key, ep.role, _status(ep), ep.healthy, ep.draining,
                         ep.health.state.value, ep.in_flight, ep.health.consecutive_errors,
-                        int(batches[ep.url]) if ep.url in batches else None)
+                        int(batches[ep.key]) if ep.key in batches else None)
             for ep in pool.all()]
 
 

@@ -107,8 +107,8 @@ class PolicyEnv:
     """Shared state policies may read, built once per app. `approx` is the router-local
     index of routing decisions (every pick records the prompt's blocks on the chosen
     engine); `exact` is the index fed by engines' KV events (None without `--kv-events`).
-    `block_size` is the engines' KV block size in tokens. Both indexes are keyed by engine
-    base URL."""
+    `block_size` is the engines' KV block size in tokens. Both indexes are keyed by
+    endpoint key (`Endpoint.key`: the engine's base URL, or `url@rank` for a DP rank)."""
 
     block_size: int = 16
     approx: PrefixIndex = field(default_factory=lambda: PrefixIndex(1 << 20))

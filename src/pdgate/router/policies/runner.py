@@ -77,13 +77,13 @@ class Selector:
         if not hashes:
             return
         if self.metrics is not None:
-            hit = self.env.matched_blocks(hashes, [ep.url], use_events=True).get(ep.url, 0)
+            hit = self.env.matched_blocks(hashes, [ep.key], use_events=True).get(ep.key, 0)
             m = self.metrics
             m.child(m.prefix_lookup_blocks, role).inc(len(hashes))
             m.child(m.prefix_hit_blocks, role).inc(hit)
-        self.env.approx.insert(ep.url, hashes)
+        self.env.approx.insert(ep.key, hashes)
         if not self._reads_text:  # `recent` bridges KV events, which carry token blocks
-            self.env.recent.insert(ep.url, hashes)
+            self.env.recent.insert(ep.key, hashes)
 
 
 async def choose(
@@ -106,5 +106,5 @@ async def choose(
                                   "pdgate.candidates": len(candidates)}) as traced:
         ep = await selector.select(role, candidates, ctx)
         if traced is not None:
-            traced.set_attribute("pdgate.engine", ep.url)
+            traced.set_attribute("pdgate.engine", ep.key)
     return ep

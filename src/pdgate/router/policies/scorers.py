@@ -39,7 +39,7 @@ class PrefixScorer:
         hashes = ctx.block_hashes(self._env.block_size)
         if not hashes:
             return [0.0] * len(candidates)
-        urls = [ep.url for ep in candidates]
+        urls = [ep.key for ep in candidates]
         matched = self._env.matched_blocks(hashes, urls, use_events=self._use_events)
         return [matched.get(u, 0) / len(hashes) for u in urls]
 
@@ -61,7 +61,7 @@ class TextPrefixScorer:
         hashes = ctx.text_hashes(self._env.block_chars)
         if not hashes:
             return [0.0] * len(candidates)
-        urls = [ep.url for ep in candidates]
+        urls = [ep.key for ep in candidates]
         matched = self._env.approx.match(hashes, urls)
         return [matched.get(u, 0) / len(hashes) for u in urls]
 
@@ -78,6 +78,6 @@ class SpreadScorer:
         self._env = env
 
     def score(self, candidates: Sequence[Endpoint], ctx: PickContext) -> list[float]:
-        sizes = [self._env.approx.blocks_of(ep.url) for ep in candidates]
+        sizes = [self._env.approx.blocks_of(ep.key) for ep in candidates]
         top = max(sizes)
         return [1.0 - s / top if top else 1.0 for s in sizes]

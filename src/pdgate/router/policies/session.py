@@ -69,13 +69,13 @@ class Session:
         if key is not None and (found := self._sessions.get(key)) is not None:
             url, expires = found
             for ep in candidates:
-                if ep.url == url and now < expires:
+                if ep.key == url and now < expires:
                     self._remember(key, url, now)
                     return ep
         ep = least_loaded(candidates, self._next)
         self._next += 1
         if key is not None:
-            self._remember(key, ep.url, now)
+            self._remember(key, ep.key, now)
         return ep
 
     def _remember(self, key: str, url: str, now: float) -> None:

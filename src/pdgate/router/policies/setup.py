@@ -64,7 +64,8 @@ async def open_routing(
             if gap:
                 metrics.child(metrics.kv_event_gaps, engine).inc()
 
-        await stack.enter_async_context(running_subscribers(endpoints, exact, on_batch))
+        await stack.enter_async_context(running_subscribers(endpoints, exact, on_batch,
+                                                           pool.dp_size))
     approx = PrefixIndex(config.prefix_index_max_blocks)
     metrics.prefix_index_entries.labels("approx").set_function(lambda: len(approx))
     env = PolicyEnv(config.prefix_block_size, approx, exact)
@@ -82,7 +83,7 @@ def _decode_prefix_lookup(pool: EndpointPool, env: PolicyEnv) -> DecodePrefixLoo
 
     def lookup(token_ids: Sequence[int]) -> int:
         hashes = block_hashes(token_ids, env.block_size)
-        urls = [ep.url for ep in pool.healthy("decode")]
+        urls = [ep.key for ep in pool.healthy("decode")]
         if not hashes or not urls:
             return 0
         matched = env.matched_blocks(hashes, urls, use_events=True)

@@ -8,6 +8,13 @@ configured tokens. Every request (path, headers, JSON body) is recorded.
 Usage numbers are deliberately different per role so tests can see which one the router
 billed: prefill reports PREFILL_PROMPT_TOKENS / PREFILL_CACHED_TOKENS, decode reports
 DECODE_PROMPT_TOKENS / DECODE_CACHED_TOKENS and one completion token per streamed token.
+
+Data parallel (`dp_size` > 1): N ranks behind one URL, as vLLM `--data-parallel-size N`
+with internal load balancing. A request's `X-data-parallel-rank` header picks its rank
+(unless `honour_rank_header` is off), else ranks take turns; each rank has its own NIXL
+identity (engine id `<engine_id>_dp<rank>`, side-channel port 5600 + rank), and
+`Recorded.rank` says which rank served a request. `vllm_push` makes a prefill answer like
+vLLM's NixlPushConnector (its identity, `transfer_mode: "push"`).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import asyncio
 import contextlib
 import json
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +45,8 @@ class Recorded:
     path: str
     headers: CIMultiDict[str]
     body: dict[str, Any]
+    rank: int | None = None  # the DP rank that served it (None: not data-parallel)
+    at: float = field(default_factory=time.monotonic)  # arrival
 
     @property
     def is_prefill(self) -> bool:
@@ -92,6 +102,13 @@ class FakeEngine:
     aborts: list[str] = field(default_factory=list)
     # (path, Authorization header or None) of every request, health probes included.
     auth_seen: list[tuple[str, str | None]] = field(default_factory=list)
+    # Data parallel: ranks behind this URL; whether the rank header is obeyed; ranks that
+    # answer 503 (a broken rank in a healthy process); as P, vLLM push-connector answers.
+    dp_size: int = 1
+    honour_rank_header: bool = True
+    failing_ranks: set[int] = field(default_factory=set)
+    vllm_push: bool = False
+    _next_rank: int = 0
     url: str = ""
     _runner: web.AppRunner | None = None
     _stopping: asyncio.Event = field(default_factory=asyncio.Event)
@@ -197,16 +214,32 @@ class FakeEngine:
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({}, status=self.health_status)
 
+    def _rank_of(self, request: web.Request) -> int | None:
+        """The DP rank that runs `request`: its header's, else the next in turn."""
+        if self.dp_size == 1:
+            return None
+        asked = request.headers.get("X-data-parallel-rank", "")
+        if self.honour_rank_header and asked.isdigit() and int(asked) < self.dp_size:
+            return int(asked)
+        rank, self._next_rank = self._next_rank, (self._next_rank + 1) % self.dp_size
+        return rank
+
+    def rank_engine_id(self, rank: int | None) -> str:
+        """The NIXL engine id of `rank` (vLLM appends `_dp<rank>` under data parallel)."""
+        return self.engine_id if rank is None else f"{self.engine_id}_dp{rank}"
+
     async def _completion(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        rec = Recorded(request.path, CIMultiDict(request.headers), body)
+        rec = Recorded(request.path, CIMultiDict(request.headers), body,
+                       self._rank_of(request))
         self.requests.append(rec)
         if self.delay_s:
             await self._pause(self.delay_s)
-        if self.fail_status is not None:
-            err = {"error": {"message": f"fake failure {self.fail_status}", "type": "X",
-                             "code": self.fail_status}}
-            return web.json_response(err, status=self.fail_status)
+        status = self.fail_status or (503 if rec.rank in self.failing_ranks else None)
+        if status is not None:
+            err = {"error": {"message": f"fake failure {status}", "type": "X",
+                             "code": status}}
+            return web.json_response(err, status=status)
         if self.fail_kv_loads and not rec.is_prefill and "kv_transfer_params" in body:
             err = {"error": {"message": "KV load failed", "type": "X", "code": 500}}
             return web.json_response(err, status=500)
@@ -245,6 +278,8 @@ class FakeEngine:
             reply["choices"][0].update(prompt_token_ids=listed, token_ids=[FAKE_FIRST_TOKEN])
         if rec.body["kv_transfer_params"].get("pdgate_mode"):
             reply["kv_transfer_params"] = self._push(rec)
+        elif self.vllm_push:
+            reply["kv_transfer_params"] = self.push_identity(rec)
         else:
             reply["kv_transfer_params"] = self.kv_params(rec) if self.return_kv_params else None
         return reply
@@ -254,12 +289,21 @@ class FakeEngine:
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
+            "remote_engine_id": self.rank_engine_id(rec.rank),
             "remote_request_id": self.kv_request_id or rec.headers.get("X-Request-Id"),
             "remote_block_ids": [4],  # one block holds the three prompt tokens
             "remote_host": "127.0.0.1",
-            "remote_port": 5601,
+            "remote_port": 5601 + (rec.rank or 0),
             "tp_size": 1,
+        }
+
+    def push_identity(self, rec: Recorded) -> dict[str, Any]:
+        """As a vLLM NixlPushConnector P: the identity of the rank that served `rec`."""
+        return {
+            "transfer_mode": "push", "remote_engine_id": self.rank_engine_id(rec.rank),
+            "remote_host": "127.0.0.1", "remote_port": 5600 + (rec.rank or 0),
+            "tp_size": 1, "pp_size": 1,
+            "remote_request_id": f"cmpl-{rec.headers.get('X-Request-Id')}-0",
         }
 
     def _decode_reply(self, rec: Recorded, chat: bool) -> dict[str, Any]:

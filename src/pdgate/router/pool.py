@@ -6,6 +6,10 @@ loop). A background task probes every engine every `interval` seconds; the orche
 also marks an engine unhealthy the moment a connect fails, and the next passing probe
 brings it back. In-flight counts are kept with
 `track()`, a context manager, so every exit path (error, cancel, client disconnect) releases.
+
+A data-parallel engine (one URL, N DP ranks: router/dp_ranks.py) is N endpoints, one per
+rank, each with its own in-flight count and breaker; they are added, removed and drained
+together, and probed once per URL (one process answers `/health` for all its ranks).
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pdgate.router.dp_ranks import RANK_HEADER, endpoint_key
 from pdgate.router.fast_metrics import GaugeChild
 from pdgate.router.health import EngineHealth, HealthSettings
 from pdgate.router.metrics import RouterMetrics
@@ -31,12 +36,15 @@ Probe = Callable[["Endpoint"], Awaitable[bool]]
 
 @dataclass(eq=False)
 class Endpoint:
-    """One engine. `url` is its base URL without a trailing slash; `index` is its position
-    within its role (stable, used by policies). Mutated only on the event loop."""
+    """One engine, or one DP rank of one. `url` is its base URL without a trailing slash;
+    `index` is its position within its role (stable, used by policies); `rank` is its DP
+    rank behind `url` (None: the engine is not data-parallel). `key` names it in indexes,
+    metrics and logs (`url@rank`, or the URL). Mutated only on the event loop."""
 
     url: str
     role: Role
     index: int
+    rank: int | None = None
     healthy: bool = True
     in_flight: int = 0
     draining: bool = False
@@ -45,6 +53,17 @@ class Endpoint:
     _in_flight_gauge: GaugeChild | None = field(default=None, repr=False)
     _healthy_gauge: GaugeChild | None = field(default=None, repr=False)
     _seen_healthy: bool = field(default=False, repr=False)  # has any probe passed yet?
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = endpoint_key(self.url, self.rank)
+
+    def pin(self, headers: Mapping[str, str]) -> Mapping[str, str]:
+        """`headers` for a leg sent to this endpoint: with the DP-rank header that makes
+        the engine run it on this rank (the same mapping when not data-parallel)."""
+        if self.rank is None:
+            return headers
+        return {**headers, RANK_HEADER: str(self.rank)}
 
     def set_healthy(self, healthy: bool) -> None:
         """Record a health verdict (logs transitions, updates the gauge). An engine that
@@ -52,7 +71,7 @@ class Endpoint:
         if healthy != self.healthy:
             failing = not healthy and self._seen_healthy
             log.log(logging.WARNING if failing else logging.INFO,
-                    "engine %s (%s) is now %s", self.url, self.role,
+                    "engine %s (%s) is now %s", self.key, self.role,
                     "healthy" if healthy else
                     "UNHEALTHY" if failing else "not ready yet (starting)")
         self._seen_healthy = self._seen_healthy or healthy
@@ -69,78 +88,115 @@ class EndpointPool:
     """The prefill and decode endpoints: a static start set plus run-time changes.
 
     Role lists are replaced, never mutated in place, so a caller iterating a list it got
-    earlier is never disturbed by a concurrent `add`/`remove`.
+    earlier is never disturbed by a concurrent `add`/`remove`. `dp_size` is each role's
+    default number of DP ranks per engine URL (1: not data-parallel).
     """
 
     def __init__(
         self, prefill: Sequence[str], decode: Sequence[str], metrics: RouterMetrics,
-        *, health: HealthSettings | None = None,
+        *, health: HealthSettings | None = None, dp_size: Mapping[Role, int] | None = None,
     ) -> None:
         self._metrics = metrics
         self._health_settings = health
-        self._by_role: dict[Role, list[Endpoint]] = {
-            "prefill": [self._make(u, "prefill", i, metrics) for i, u in enumerate(prefill)],
-            "decode": [self._make(u, "decode", i, metrics) for i, u in enumerate(decode)],
-        }
-        self._next_index: dict[Role, int] = {"prefill": len(prefill), "decode": len(decode)}
-        for ep in self.all():
-            self._attach_health(ep)
+        self._dp_size: dict[Role, int] = {"prefill": 1, "decode": 1, **(dp_size or {})}
+        self._by_role: dict[Role, list[Endpoint]] = {"prefill": [], "decode": []}
+        self._next_index: dict[Role, int] = {"prefill": 0, "decode": 0}
+        roles: tuple[tuple[Role, Sequence[str]], ...] = (("prefill", prefill),
+                                                          ("decode", decode))
+        for role, urls in roles:
+            for url in urls:
+                self._by_role[role] += self._make_ranks(url.rstrip("/"), role, None)
         self._became_ready = asyncio.Event()  # set once ready() was first true
 
-    @staticmethod
-    def _make(url: str, role: Role, index: int, metrics: RouterMetrics) -> Endpoint:
+    def _make_ranks(self, url: str, role: Role, dp_size: int | None) -> list[Endpoint]:
+        """One endpoint per DP rank of `url` (one without a rank when its size is 1)."""
+        n = self._dp_size[role] if dp_size is None else dp_size
+        if n < 1:
+            raise ValueError(f"DP size of {url} must be >= 1, got {n}")
+        ranks: list[int | None] = [None] if n == 1 else list(range(n))
+        eps = []
+        for rank in ranks:
+            ep = Endpoint(url, role, self._next_index[role], rank)
+            self._next_index[role] += 1
+            ep._in_flight_gauge = self._metrics.engine_in_flight.labels(ep.key, role)
+            ep._healthy_gauge = self._metrics.engine_healthy.labels(ep.key, role)
+            ep.publish_health()  # assumed healthy until a probe says otherwise
+            eps.append(self._attach_health(ep))
+        return eps
+
+    def dp_size(self, url: str) -> int:
+        """How many DP ranks `url` has in the pool (1 when it is not data-parallel or
+        unknown); the KV-event subscribers subscribe to that many publishers."""
         url = url.rstrip("/")
-        ep = Endpoint(
-            url, role, index,
-            _in_flight_gauge=metrics.engine_in_flight.labels(url, role),
-            _healthy_gauge=metrics.engine_healthy.labels(url, role),
-        )
-        ep.publish_health()  # assumed healthy until a probe says otherwise (not yet seen so)
-        return ep
+        ranks = {ep.rank for ep in self.all() if ep.url == url}
+        return max(1, len(ranks - {None}))
 
-    def add(self, url: str, role: Role) -> Endpoint:
-        """Start routing to `url` as a `role` engine; returns its endpoint.
+    def add(self, url: str, role: Role, *, dp_size: int | None = None) -> Endpoint:
+        """Start routing to `url` as a `role` engine with `dp_size` DP ranks (None: the
+        role's default); returns its first endpoint (rank 0 of a data-parallel engine).
 
-        Idempotent: an endpoint already present is returned as is, and one that was
-        draining is taken back into service. A new endpoint starts healthy (the caller
-        knows it is up, e.g. its pod is Ready); the health loop corrects that if wrong.
-        `index` values of new endpoints are never reused within a role.
+        Idempotent: an engine already present is returned as is (its ranks unchanged:
+        `resize` changes them), and one that was draining is taken back into service. A
+        new engine starts healthy (the caller knows it is up, e.g. its pod is Ready); the
+        health loop corrects that if wrong. `index` values are never reused within a role.
         """
         url = url.rstrip("/")
-        for ep in self._by_role[role]:
-            if ep.url == url:
-                if ep.draining:
-                    log.info("engine %s (%s) is back in service", url, role)
+        known = [ep for ep in self._by_role[role] if ep.url == url]
+        if known:
+            if any(ep.draining for ep in known):
+                log.info("engine %s (%s) is back in service", url, role)
+            for ep in known:
                 ep.draining = False
-                return ep
-        ep = self._attach_health(self._make(url, role, self._next_index[role], self._metrics))
-        self._next_index[role] += 1
-        self._by_role[role] = [*self._by_role[role], ep]
-        log.info("engine %s (%s) added", url, role)
-        return ep
+            return known[0]
+        eps = self._make_ranks(url, role, dp_size)
+        self._by_role[role] = [*self._by_role[role], *eps]
+        log.info("engine %s (%s) added%s", url, role,
+                 f" with {len(eps)} DP ranks" if len(eps) > 1 else "")
+        return eps[0]
+
+    def resize(self, url: str, role: Role, dp_size: int) -> bool:
+        """Give `url` (a `role` engine) `dp_size` DP ranks, e.g. once the engine said how
+        many it has. Ranks that go away finish their requests in flight on the objects
+        their legs hold. Returns False when nothing changed or `url` is unknown."""
+        url = url.rstrip("/")
+        eps = self._by_role[role]
+        mine = [ep for ep in eps if ep.url == url]
+        want: list[int | None] = [None] if dp_size == 1 else list(range(dp_size))
+        if not mine or [ep.rank for ep in mine] == want:
+            return False
+        for ep in mine:
+            self._forget_gauges(ep.key, role)
+        at = eps.index(mine[0])
+        rest = [ep for ep in eps if ep.url != url]
+        self._by_role[role] = rest[:at] + self._make_ranks(url, role, dp_size) + rest[at:]
+        log.info("engine %s (%s) now has %d DP rank(s)", url, role, dp_size)
+        return True
 
     def remove(self, url: str) -> bool:
-        """Forget `url` (every role it has) at once, even with requests in flight: those
-        finish on the `Endpoint` object they hold. Returns False if `url` was unknown."""
+        """Forget `url` (every role and rank it has) at once, even with requests in
+        flight: those finish on the `Endpoint` object they hold. Returns False if `url`
+        was unknown."""
         url = url.rstrip("/")
         found = False
         for role, eps in self._by_role.items():
-            if any(ep.url == url for ep in eps):
+            gone = [ep for ep in eps if ep.url == url]
+            if gone:
                 found = True
                 self._by_role[role] = [ep for ep in eps if ep.url != url]
-                self._forget_gauges(url, role)
+                for ep in gone:
+                    self._forget_gauges(ep.key, role)
                 log.info("engine %s (%s) removed", url, role)
         return found
 
     def drain(self, url: str) -> bool:
-        """Stop sending new requests to `url`; it is removed once its in-flight count is 0
-        (at once if it is idle). `add(url, role)` before then cancels the drain.
-        Returns False if `url` was unknown."""
+        """Stop sending new requests to `url` (all its ranks); each endpoint is removed
+        once its in-flight count is 0 (at once if it is idle). `add(url, role)` before
+        then cancels the drain. Returns False if `url` was unknown."""
         url = url.rstrip("/")
         eps = [ep for ep in self.all() if ep.url == url]
         for ep in eps:
             ep.draining = True
-            log.info("engine %s (%s) draining (%d in flight)", url, ep.role, ep.in_flight)
+            log.info("engine %s (%s) draining (%d in flight)", ep.key, ep.role, ep.in_flight)
             if ep.in_flight == 0:
                 self._remove_endpoint(ep)
         return bool(eps)
@@ -149,15 +205,15 @@ class EndpointPool:
         eps = self._by_role[ep.role]
         if ep in eps:
             self._by_role[ep.role] = [e for e in eps if e is not ep]
-            self._forget_gauges(ep.url, ep.role)
-            log.info("engine %s (%s) drained and removed", ep.url, ep.role)
+            self._forget_gauges(ep.key, ep.role)
+            log.info("engine %s (%s) drained and removed", ep.key, ep.role)
 
-    def _forget_gauges(self, url: str, role: Role) -> None:
+    def _forget_gauges(self, key: str, role: Role) -> None:
         # A removed engine must not linger in /metrics as a stale series.
         for gauge in (self._metrics.engine_in_flight, self._metrics.engine_healthy,
                       self._metrics.engine_breaker_state):
             with contextlib.suppress(KeyError):
-                gauge.remove(url, role)
+                gauge.remove(key, role)
 
     def endpoints(self, role: Role) -> list[Endpoint]:
         """All endpoints of `role`, healthy or not, draining or not, in the order added."""
@@ -169,10 +225,10 @@ class EndpointPool:
 
     def _attach_health(self, ep: Endpoint) -> Endpoint:
         ep.health = EngineHealth(
-            self._health_settings, f"{ep.url} ({ep.role})",
+            self._health_settings, f"{ep.key} ({ep.role})",
             on_open=self._metrics.breaker_opened.labels(ep.role).inc,
         )
-        self._metrics.watch_breaker(ep.url, ep.role, ep.health)
+        self._metrics.watch_breaker(ep.key, ep.role, ep.health)
         return ep
 
     def healthy(self, role: Role) -> list[Endpoint]:
@@ -190,11 +246,17 @@ class EndpointPool:
         return _Tracked(self, ep)
 
     async def check_all(self, probe: Probe) -> None:
-        """Probe every endpoint once, concurrently, and record the verdicts."""
+        """Probe every engine URL once, concurrently, and record the verdict on each of
+        its endpoints (all DP ranks of a URL share its process and its verdict)."""
         eps = self.all()
-        results = await asyncio.gather(*(probe(ep) for ep in eps), return_exceptions=True)
-        for ep, ok in zip(eps, results, strict=True):
-            ep.set_healthy(ep.health.probe(ok is True, ep.healthy))
+        heads: dict[str, Endpoint] = {}
+        for ep in eps:
+            heads.setdefault(ep.url, ep)
+        results = await asyncio.gather(*(probe(ep) for ep in heads.values()),
+                                       return_exceptions=True)
+        verdicts = {url: ok is True for url, ok in zip(heads, results, strict=True)}
+        for ep in eps:
+            ep.set_healthy(ep.health.probe(verdicts[ep.url], ep.healthy))
         if self.ready():
             self._became_ready.set()
 

@@ -16,6 +16,15 @@ engine id, side channel (host, port) and, for vLLM, P's parallel layout (`tp_siz
   A vLLM engine that answers `transfer_mode: "pull"` (the plain `NixlConnector`) is
   remembered as such; its requests run the pull flow.
 
+A data-parallel vLLM prefill engine (router/dp_ranks.py) has one identity per DP rank
+(vLLM names rank r's engine `<engine id>_dp<r>`, with its own side-channel port). Each rank
+is an endpoint of its own, so identities are cached per endpoint key (`url@rank`), and the
+prefill leg is pinned to the rank whose identity D's leg names. An answer that names a
+sibling rank's identity (the engine ignored the pin) is counted
+(`pdgate_engine_answers_refused_total{reason="dp_rank"}`) and is not cached for the rank
+asked: the flow sends D's leg again with the identity P answered (`Learned.CHANGED`), so
+D registers with the rank that holds the prompt.
+
 vLLM matches D's registration to P's prefill by request id with its random suffix
 stripped, so both legs must carry the same `X-Request-Id` (the router sends its own id on
 both legs, router/request_ids.py).
@@ -24,24 +33,31 @@ both legs, router/request_ids.py).
 from __future__ import annotations
 
 import enum
+import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 import msgspec
 
+from pdgate.contract.engine_replies import KVInfo
 from pdgate.router.errors import EngineRejected
 from pdgate.router.flows.bodies import remote_prefill
 from pdgate.router.flows.common import KVInfoCache
 from pdgate.router.input.schema import ClientRequest
+from pdgate.router.metrics import RouterMetrics
 from pdgate.router.pool import Endpoint
 
 __all__ = ["Learned", "PushPeers", "ShimPeer", "VllmIdentity", "VllmPeer",
            "vllm_request_id"]
 
+log = logging.getLogger(__name__)
+# vLLM's engine id of DP rank r ends with `_dp<r>` (v1/engine/core.py).
+_DP_SUFFIX = re.compile(r"_dp(\d+)$")
+
 
 class VllmIdentity(msgspec.Struct, frozen=True):
-from pdgate.contract.engine_replies import KVInfo
     """What a vLLM decode engine needs to find a NixlPushConnector prefill engine."""
 
     engine_id: str
@@ -111,28 +127,35 @@ class Learned(enum.Enum):
 
 
 class PushPeers:
-    """Each prefill engine's kind and identity, by URL. One per push flow (the app's)."""
+    """Each prefill endpoint's kind and identity, by endpoint key (URL, or `url@rank` for
+    a DP rank). One per push flow (the app's); `metrics` counts rank mismatches."""
 
-    def __init__(self, info: KVInfoCache) -> None:
+    def __init__(self, info: KVInfoCache, metrics: RouterMetrics | None = None) -> None:
         self._info = info
-        self._vllm: dict[str, VllmIdentity | None] = {}  # URL -> identity; None: unknown
-        self._pull: set[str] = set()  # URLs that answered as pull-mode engines
+        self._metrics = metrics
+        self._vllm: dict[str, VllmIdentity | None] = {}  # key -> identity; None: unknown
+        self._pull: set[str] = set()  # keys that answered as pull-mode engines
+        self.rank_mismatches = 0  # answers that named a sibling DP rank's identity
 
     def pull_only(self, ep: Endpoint) -> bool:
         """True once `ep` answered as a pull-mode vLLM engine (its requests run pull)."""
-        return ep.url in self._pull
+        return ep.key in self._pull
+
+    def identity(self, ep: Endpoint) -> VllmIdentity | None:
+        """The identity cached for `ep` (None: not learnt, or not a vLLM engine)."""
+        return self._vllm.get(ep.key)
 
     async def get(self, ep: Endpoint, headers: Mapping[str, str]) -> ShimPeer | VllmPeer:
         """`ep`'s kind and what is known of its identity. Raises what `/v1/kv/info` raised,
         except its 404 (a vLLM engine)."""
-        if ep.url in self._vllm:
-            return VllmPeer(self._vllm[ep.url])
+        if ep.key in self._vllm:
+            return VllmPeer(self._vllm[ep.key])
         try:
             return ShimPeer(await self._info.get(ep, headers))
         except EngineRejected as exc:
             if exc.status != 404:
                 raise
-        self._vllm[ep.url] = None
+        self._vllm[ep.key] = None
         return VllmPeer(None)
 
     def learn(self, ep: Endpoint, params: Any, sent: VllmIdentity | None) -> Learned:
@@ -140,13 +163,37 @@ class PushPeers:
         `sent` (what D's leg named; None: D's leg is not out yet)."""
         identity = VllmIdentity.of_answer(params)
         if identity is not None:
-            self._vllm[ep.url] = identity
-            self._pull.discard(ep.url)
-            return Learned.SAME if identity == sent else Learned.CHANGED
+            if identity == sent:
+                return Learned.SAME
+            if self._sibling_of(ep, identity):
+                return Learned.CHANGED  # D is told this identity; the cache stays as is
+            self._vllm[ep.key] = identity
+            self._pull.discard(ep.key)
+            return Learned.CHANGED
         if isinstance(params, Mapping) and params.get("remote_block_ids") is not None:
-            self._pull.add(ep.url)
+            self._pull.add(ep.key)
             return Learned.PULL
         return Learned.NONE
+
+    def _sibling_of(self, ep: Endpoint, identity: VllmIdentity) -> bool:
+        """True (counted, logged) when `identity` is another DP rank's of `ep`'s engine:
+        the engine ran the prefill on a rank other than the one the leg was pinned to."""
+        if ep.rank is None:
+            return False
+        prefix = f"{ep.url}@"
+        sibling = next((k for k, known in self._vllm.items()
+                        if known == identity and k != ep.key and k.startswith(prefix)), None)
+        named = _DP_SUFFIX.search(identity.engine_id)
+        if sibling is None and named is not None and int(named[1]) != ep.rank:
+            sibling = f"{prefix}{named[1]}"  # vLLM's per-rank engine id says which rank
+        if sibling is None:
+            return False
+        self.rank_mismatches += 1
+        if self._metrics is not None:
+            self._metrics.child(self._metrics.engine_answers_refused, "dp_rank").inc()
+        log.warning("prefill engine %s answered with the identity of %s (its DP-rank header "
+                    "was not honoured): the decode leg is sent again", ep.key, sibling)
+        return True
 
     def answer(self, ep: Endpoint, params: Any, sent: VllmIdentity | None,
                req: ClientRequest) -> tuple[Learned, dict[str, Any] | None]:
@@ -155,7 +202,7 @@ class PushPeers:
         params (`PULL`: D READs) or None (`NONE`: D computes the prompt)."""
         learned = self.learn(ep, params, sent)
         if learned is Learned.CHANGED:
-            identity = self._vllm[ep.url]
+            identity = VllmIdentity.of_answer(params)
             assert identity is not None
             rid = params.get("remote_request_id")
             return learned, identity.decode_params(
@@ -167,5 +214,5 @@ class PushPeers:
     def forget(self, ep: Endpoint) -> None:
         """Drop `ep`'s identity (a decode leg that named it failed): the next request
         learns it again from P's answer."""
-        if ep.url in self._vllm:
-            self._vllm[ep.url] = None
+        if ep.key in self._vllm:
+            self._vllm[ep.key] = None

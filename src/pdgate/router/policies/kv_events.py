@@ -16,6 +16,14 @@ keeps, per engine, a map engine-hash -> router hashes, so a later `BlockRemoved`
 names engine hashes) can be applied. An engine block of k x the router's block size maps to
 k router blocks; other sizes are ignored (counted as `block_size_mismatch`). A `BlockStored`
 whose parent the router never saw (events lost) is skipped: its chain cannot be placed.
+
+Data-parallel engines (router/dp_ranks.py): each DP rank of a vLLM engine has its own prefix
+cache and publishes on its own socket (rank r binds the configured port + r) with its rank in
+every batch (`data_parallel_rank`). For an engine URL the pool holds as N > 1 ranks, one
+subscriber per rank feeds the index under the rank's endpoint key (`url@rank`, from the
+batch's rank, else the socket's), so a prefix hit on rank 1 routes to rank 1. For an engine
+the pool holds as one endpoint the batch's rank is ignored: with external load balancing
+(`--data-parallel-rank r`, one URL per rank) the URL already is the rank.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pdgate.router.dp_ranks import endpoint_key, rank_endpoint
 from pdgate.router.policies.prefix_index import ROOT_HASH, PrefixIndex, block_hashes
 
 __all__ = [
@@ -41,6 +50,7 @@ __all__ = [
     "Removed",
     "Stored",
     "decode_batch",
+    "decode_batch_ranked",
     "parse_kv_event_endpoints",
 ]
 
@@ -82,14 +92,20 @@ class KVEventDecodeError(ValueError):
 def decode_batch(payload: bytes) -> list[KVEvent]:
     """The events of one msgpack `KVEventBatch` (array or map encoding). Unknown event
     types are skipped; a payload that is not a batch raises `KVEventDecodeError`."""
+    return decode_batch_ranked(payload)[0]
+
+
+def decode_batch_ranked(payload: bytes) -> tuple[list[KVEvent], int | None]:
+    """`decode_batch`, plus the batch's `data_parallel_rank` (None when absent)."""
     try:
         raw = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
         raise KVEventDecodeError(f"not msgpack: {exc}") from None
+    rank: Any = None
     if isinstance(raw, dict):
-        events = raw.get("events")
+        events, rank = raw.get("events"), raw.get("data_parallel_rank")
     elif isinstance(raw, list) and len(raw) >= 2:
-        events = raw[1]
+        events, rank = raw[1], raw[2] if len(raw) >= 3 else None
     else:
         events = None
     if not isinstance(events, list):
@@ -99,7 +115,8 @@ def decode_batch(payload: bytes) -> list[KVEvent]:
         parsed = _event(ev)
         if parsed is not None:
             out.append(parsed)
-    return out
+    valid = isinstance(rank, int) and not isinstance(rank, bool) and rank >= 0
+    return out, rank if valid else None
 
 
 _FIELDS = {
@@ -208,6 +225,10 @@ def parse_kv_event_endpoints(entries: Sequence[str]) -> dict[str, str]:
 class KVEventSubscriber:
     """One SUB socket on one engine's KV-events endpoint, feeding `index` (event loop only).
 
+    `rank`: the DP rank this socket publishes for, when the pool holds `engine` as DP
+    ranks (events are then keyed `engine@rank`, the batch's own rank first); None: keyed
+    by `engine` whatever rank the batch names.
+
     `run()` loops until cancelled; the socket is closed with linger 0 on exit. Each
     receive waits at most `_RECV_POLL_MS`, so cancellation is prompt. A gap in the sequence
     numbers (lost messages) is logged and counted; the index then may miss a few blocks,
@@ -222,8 +243,10 @@ class KVEventSubscriber:
         index: KVEventIndex,
         on_batch: Callable[[str, int, bool], None] | None = None,
         topic: str = "",
+        rank: int | None = None,
     ) -> None:
         self.engine = engine
+        self.rank = rank
         self.endpoint = endpoint
         self._ctx = ctx
         self._index = index
@@ -257,24 +280,36 @@ class KVEventSubscriber:
                         self._last_seq, seq)
         self._last_seq = seq
         try:
-            events = decode_batch(frames[2])
+            events, rank = decode_batch_ranked(frames[2])
         except KVEventDecodeError as exc:
             log.warning("kv events from %s: %s", self.engine, exc)
             return
-        self._index.apply(self.engine, events)
+        key = self.engine if self.rank is None else endpoint_key(
+            self.engine, self.rank if rank is None else rank)
+        self._index.apply(key, events)
         if self._on_batch is not None:
-            self._on_batch(self.engine, len(events), gap)
+            self._on_batch(key, len(events), gap)
 
 
 @contextlib.asynccontextmanager
 async def running_subscribers(
     endpoints: dict[str, str], index: KVEventIndex,
     on_batch: Callable[[str, int, bool], None] | None = None,
+    dp_size: Callable[[str], int] | None = None,
 ) -> Any:
-    """Run one subscriber per `endpoints` entry for the duration of the block."""
+    """Run one subscriber per `endpoints` entry for the duration of the block, or one per
+    DP rank of an engine URL `dp_size(url)` says has several (rank 0's endpoint given)."""
     ctx = zmq.asyncio.Context()
-    subs = [KVEventSubscriber(ctx, url, ep, index, on_batch) for url, ep in endpoints.items()]
-    tasks = [asyncio.create_task(s.run(), name=f"kv-events {s.engine}") for s in subs]
+    subs = []
+    for url, endpoint in endpoints.items():
+        n = 1 if dp_size is None else dp_size(url)
+        if n == 1:
+            subs.append(KVEventSubscriber(ctx, url, endpoint, index, on_batch))
+            continue
+        subs += [KVEventSubscriber(ctx, url, rank_endpoint(endpoint, r), index, on_batch,
+                                   rank=r) for r in range(n)]
+    tasks = [asyncio.create_task(s.run(), name=f"kv-events {s.engine}@{s.rank}")
+             for s in subs]
     try:
         yield subs
     finally:

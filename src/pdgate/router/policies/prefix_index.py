@@ -6,7 +6,9 @@ equal hashes mean equal prefixes. Hashes are Python's `hash()` of `(parent, toke
 of ints, which does not depend on `PYTHONHASHSEED`: every router replica computes the same
 values for the same tokens, with no coordination.
 
-`PrefixIndex` maps block hashes to the engines (base URLs) believed to hold them. It is used
+`PrefixIndex` maps block hashes to the engines believed to hold them, by endpoint key: the
+engine's base URL, or `url@rank` for one DP rank of a data-parallel engine (each rank has
+its own prefix cache, router/dp_ranks.py). It is used
 two ways: as an approximate index (the router records each routing decision: the engine it
 sent a prompt to will hold that prompt's blocks) and as the exact index fed by engines' KV
 events (`router.kv_events`). It is bounded: past `max_entries` (engine, block) pairs the

@@ -8,6 +8,9 @@ code only ever sees this tree::
     ├── InvalidRequest               400 BadRequestError / invalid_request_error
     │   └── ContextLengthExceeded    400 ... code context_length_exceeded
     ├── ModelNotFound                404 NotFoundError / model_not_found
+    ├── RouteNotFound                404 NotFoundError  (no route has this path)
+    ├── MethodNotAllowed             405 BadRequestError  (the path's routes take other
+    │                                    methods; `Allow` lists them)
     ├── PayloadTooLarge              413 BadRequestError / payload_too_large
     ├── RequestTimeout               408 BadRequestError / request_timeout  (slow body)
     ├── Unauthorized                 401 AuthenticationError / invalid_api_key
@@ -73,11 +76,13 @@ __all__ = [
     "EngineTimeout",
     "EngineUnavailable",
     "InvalidRequest",
+    "MethodNotAllowed",
     "ModelNotFound",
     "NoEndpointAvailable",
     "Overloaded",
     "PayloadTooLarge",
     "RequestTimeout",
+    "RouteNotFound",
     "RouterError",
     "TooManyConnections",
     "Unauthorized",
@@ -120,6 +125,22 @@ class ModelNotFound(RouterError):
     status = 404
     type = "NotFoundError"
     code = "model_not_found"
+
+
+class RouteNotFound(RouterError):
+    """No route of the router has the request's path (404)."""
+
+    status = 404
+    type = "NotFoundError"
+    code = None
+
+
+class MethodNotAllowed(RouterError):
+    """The path's routes take other methods (405)."""
+
+    status = 405
+    type = "BadRequestError"
+    code = None
 
 
 class PayloadTooLarge(RouterError):

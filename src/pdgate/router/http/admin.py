@@ -21,7 +21,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
-from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -29,6 +28,7 @@ from pdgate.router.config import RouterConfig, engine_url_problem
 from pdgate.router.errors import InvalidRequest, RouterError
 from pdgate.router.http.api import StateHolder, error_response
 from pdgate.router.http.client_deadlines import read_body_within
+from pdgate.router.http.routes import RouteTable
 from pdgate.router.pool import Endpoint
 
 __all__ = ["check_engine_url", "endpoint_info", "install_admin_routes", "redacted_config"]
@@ -91,8 +91,8 @@ def _json(obj: Any, status: int = 200) -> Response:
     return Response(_encode(obj), status, media_type="application/json")
 
 
-def install_admin_routes(app: FastAPI, holder: StateHolder) -> None:
-    """Register the `/admin` routes on `app` (the caller guards them with a key)."""
+def install_admin_routes(table: RouteTable, holder: StateHolder) -> None:
+    """Declare the `/admin` routes in `table` (the caller guards them with a key)."""
 
     async def list_engines(request: Request) -> Response:
         return _json({"engines": [endpoint_info(ep) for ep in holder.state.pool.all()]})
@@ -136,7 +136,7 @@ def install_admin_routes(app: FastAPI, holder: StateHolder) -> None:
     async def config(request: Request) -> Response:
         return _json(redacted_config(holder.state.config))
 
-    app.router.add_route("/admin/engines", list_engines, methods=["GET"])
-    app.router.add_route("/admin/engines", add_engine, methods=["POST"])
-    app.router.add_route("/admin/engines", delete_engine, methods=["DELETE"])
-    app.router.add_route("/admin/config", config, methods=["GET"])
+    table.add("GET", "/admin/engines", list_engines)
+    table.add("POST", "/admin/engines", add_engine)
+    table.add("DELETE", "/admin/engines", delete_engine)
+    table.add("GET", "/admin/config", config)

@@ -1,8 +1,8 @@
 """HTTP handlers: read and validate the request, call the orchestrator, map errors.
 
-Handlers are plain Starlette routes taking a `Request` (no FastAPI dependency solving or
-pydantic models on the hot path); bodies are decoded with msgspec. Every error a client can
-cause comes back as a 4xx with an OpenAI-style body, never a 500.
+Handlers are plain endpoints taking a Starlette `Request`, declared in the router's one
+route table (router/http/routes.py); bodies are decoded with msgspec. Every error a client
+can cause comes back as a 4xx with an OpenAI-style body, never a 500.
 """
 
 from __future__ import annotations
@@ -17,25 +17,17 @@ from typing import Any
 
 import anyio.to_thread
 import msgspec
-from fastapi import FastAPI
-from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
-from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from pdgate.router import request_context
 from pdgate.router.admission import Admission
 from pdgate.router.config import RouterConfig
-from pdgate.router.errors import (
-    InvalidRequest,
-    ModelNotFound,
-    Overloaded,
-    RouterError,
-    error_json,
-)
+from pdgate.router.errors import ModelNotFound, Overloaded, RouterError, error_json
 from pdgate.router.http.client_deadlines import header_value, read_body_within
 from pdgate.router.http.relay_response import DisconnectWatch, RelayResponse
+from pdgate.router.http.routes import RouteTable
 from pdgate.router.input.limits import InputLimits
 from pdgate.router.input.schema import ClientRequest, classify_prompt, parse_chat, parse_completion
 from pdgate.router.metrics import RouterMetrics
@@ -44,7 +36,7 @@ from pdgate.router.pool import EndpointPool
 from pdgate.router.request_ids import InternalIds, client_request_id
 from pdgate.router.tracing import span
 
-__all__ = ["RouterState", "StateHolder", "install_error_handlers", "install_routes"]
+__all__ = ["RouterState", "StateHolder", "install_routes"]
 
 log = logging.getLogger(__name__)
 _json = msgspec.json.Encoder().encode
@@ -277,15 +269,10 @@ def _json_response(obj: Any, status: int = 200) -> Response:
     return Response(_json(obj), status, media_type="application/json")
 
 
-def install_routes(
-    app: FastAPI, holder: StateHolder
-) -> dict[str, Callable[[Request], Awaitable[Response]]]:
-    """Register the OpenAI routes and the operational endpoints on `app`; returns the
-    completion handlers by path (POST), for the app's fast path (router/http/fast_routes.py)."""
-    completions = {path: _completion_handler(holder, kind, path) for path, kind in (
-        ("/v1/completions", "completion"), ("/v1/chat/completions", "chat"))}
-    for path, handler in completions.items():
-        app.router.add_route(path, handler, methods=["POST"])
+def install_routes(table: RouteTable, holder: StateHolder) -> None:
+    """Declare the OpenAI routes and the operational endpoints in `table`."""
+    for path, kind in (("/v1/completions", "completion"), ("/v1/chat/completions", "chat")):
+        table.add("POST", path, _completion_handler(holder, kind, path))
 
     def model_card(name: str) -> dict[str, object]:
         return {"id": name, "object": "model", "created": holder.state.started_at,
@@ -318,32 +305,9 @@ def install_routes(
     async def metrics(request: Request) -> Response:
         return Response(generate_latest(holder.state.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app.router.add_route("/v1/models", models, methods=["GET"])
+    table.add("GET", "/v1/models", models)
     # `:path`: served names may hold slashes ("org/model"), as vLLM's do.
-    app.router.add_route("/v1/models/{model:path}", model, methods=["GET"])
-    app.router.add_route("/health", health, methods=["GET"])
-    app.router.add_route("/ready", ready, methods=["GET"])
-    app.router.add_route("/metrics", metrics, methods=["GET"])
-    return completions
-
-
-def install_error_handlers(app: FastAPI) -> None:
-    """Map framework errors (validation, unknown route, bad method) to OpenAI error bodies."""
-
-    async def on_validation(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, RequestValidationError)
-        errors = exc.errors()
-        loc = errors[0].get("loc", ()) if errors else ()
-        param = str(loc[-1]) if loc else None
-        return error_response(InvalidRequest(f"invalid request: {errors}", param=param))
-
-    async def on_http(request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, HTTPException)
-        err = RouterError(str(exc.detail))
-        err.status = exc.status_code
-        err.type = "NotFoundError" if exc.status_code == 404 else "BadRequestError"
-        err.code = None
-        return error_response(err)
-
-    app.add_exception_handler(RequestValidationError, on_validation)
-    app.add_exception_handler(HTTPException, on_http)
+    table.add("GET", "/v1/models/{model:path}", model)
+    table.add("GET", "/health", health)
+    table.add("GET", "/ready", ready)
+    table.add("GET", "/metrics", metrics)

@@ -17,10 +17,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 from starlette.middleware.cors import CORSMiddleware
-from starlette.types import ASGIApp
 
 from pdgate.router.aborts import Aborter
 from pdgate.router.admission import Admission
@@ -33,10 +31,10 @@ from pdgate.router.flows.setup import open_flows
 from pdgate.router.health import HealthSettings
 from pdgate.router.http.access_log import AccessLogMiddleware
 from pdgate.router.http.admin import install_admin_routes
-from pdgate.router.http.api import RouterState, StateHolder, install_error_handlers, install_routes
+from pdgate.router.http.api import RouterState, StateHolder, install_routes
 from pdgate.router.http.auth import AuthMiddleware
 from pdgate.router.http.dashboard import install_dashboard
-from pdgate.router.http.fast_routes import FastRoutes, endpoint_app
+from pdgate.router.http.routes import RouterApp, RouteTable
 from pdgate.router.input.limits import InputLimits
 from pdgate.router.input.tokenization import PromptTokenizer
 from pdgate.router.input.tokenizer_setup import log_no_tokenizer, open_tokenizer, token_readers
@@ -57,7 +55,7 @@ def create_app(
     *,
     registry: CollectorRegistry | None = None,
     tokenizer: PromptTokenizer | None = None,
-) -> ASGIApp:
+) -> RouterApp:
     """Build the router ASGI app for `config`.
 
     `registry`: where metrics go (default: a fresh registry per app, exposed at /metrics).
@@ -74,7 +72,7 @@ def create_app(
     holder = StateHolder()
 
     @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan() -> AsyncIterator[None]:
         async with tracing.running(), _serving_state(
                 config, registry or RouterMetrics.registry(), tokenizer, bool(readers)) as st:
             holder.set(st)
@@ -86,27 +84,14 @@ def create_app(
                 await _cancel(sampler)
                 holder.set(None)
 
-    app = FastAPI(
-        title="pdgate router", lifespan=lifespan, docs_url=None, redoc_url=None,
-        openapi_url=None,
-    )
-    completions = install_routes(app, holder)
-    dashboard = install_dashboard(app, holder)
+    # Every route the router serves is declared in this one table (router/http/routes.py);
+    # each passes the same middlewares.
+    table = RouteTable()
+    install_routes(table, holder)
+    dashboard = install_dashboard(table, holder)
     if config.admin_api_key:
-        install_admin_routes(app, holder)
-    install_error_handlers(app)
-    middlewares = _middlewares(config, tracing)
-    for cls, options in middlewares:
-        app.add_middleware(cls, **options)
-    # The completion routes skip the framework's per-request stack (router/http/fast_routes.py)
-    # but pass the same middlewares.
-    fast: dict[str, ASGIApp] = {}
-    for path, handler in completions.items():
-        route = endpoint_app(handler)
-        for cls, options in middlewares:
-            route = cls(route, **options)
-        fast[path] = route
-    return FastRoutes(app, fast)
+        install_admin_routes(table, holder)
+    return table.app(_middlewares(config, tracing), lifespan)
 
 
 def _loop_name() -> str:

@@ -20,7 +20,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
-from fastapi import FastAPI
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, Response
@@ -29,6 +28,7 @@ from pdgate.router import __version__
 from pdgate.router.health import BreakerState
 from pdgate.router.http.api import RouterState, StateHolder
 from pdgate.router.http.dashboard_page import PAGE
+from pdgate.router.http.routes import RouteTable
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.pool import Endpoint, EndpointPool
 
@@ -340,8 +340,8 @@ class Dashboard:
         )
 
 
-def install_dashboard(app: FastAPI, holder: StateHolder) -> Dashboard:
-    """Register `/dashboard` and `/dashboard/state` on `app` (called once by `create_app`,
+def install_dashboard(table: RouteTable, holder: StateHolder) -> Dashboard:
+    """Declare `/dashboard` and `/dashboard/state` in `table` (called once by `create_app`,
     which runs the returned dashboard's `sample_forever()` in the lifespan)."""
     dashboard = Dashboard(holder)
     encode = msgspec.json.Encoder().encode
@@ -353,6 +353,6 @@ def install_dashboard(app: FastAPI, holder: StateHolder) -> Dashboard:
         return Response(encode(dashboard.state()), media_type="application/json",
                         headers={"Cache-Control": "no-store"})
 
-    app.router.add_route("/dashboard", page, methods=["GET"])
-    app.router.add_route("/dashboard/state", state, methods=["GET"])
+    table.add("GET", "/dashboard", page)
+    table.add("GET", "/dashboard/state", state)
     return dashboard

@@ -68,6 +68,7 @@ class FakeEngine:
     tokens: tuple[str, ...] = ("Hello", " world", "!")
     return_kv_params: bool = True
     fail_status: int | None = None  # answer completions with this status
+    fail_message: str | None = None  # ... and this error message
     # As D: answer 500 to a decode carrying KV params, like vLLM when P died before D read
     # the KV (kv_load_failure_policy "fail"); decodes without params still succeed.
     fail_kv_loads: bool = False
@@ -237,8 +238,8 @@ class FakeEngine:
             await self._pause(self.delay_s)
         status = self.fail_status or (503 if rec.rank in self.failing_ranks else None)
         if status is not None:
-            err = {"error": {"message": f"fake failure {status}", "type": "X",
-                             "code": status}}
+            err = {"error": {"message": self.fail_message or f"fake failure {status}",
+                             "type": "X", "code": status}}
             return web.json_response(err, status=status)
         if self.fail_kv_loads and not rec.is_prefill and "kv_transfer_params" in body:
             err = {"error": {"message": "KV load failed", "type": "X", "code": 500}}

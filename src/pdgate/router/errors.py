@@ -29,6 +29,8 @@ code only ever sees this tree::
     │   └── EngineMisconfigured      502 ... engine_misconfigured  (a 4xx the router's
     │                                    request caused, not the client's: see below)
     └── EngineRejected               engine's own 4xx status, passed through to the client
+                                         (code context_length_exceeded for its
+                                         context-length refusal, else engine_rejected)
 
 `retryable` says whether the orchestrator may try another engine of the same role (only
 before the first byte went to the client).
@@ -62,6 +64,7 @@ the engine's breaker) and which are the client's (`EngineRejected`, never counte
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import msgspec
@@ -253,8 +256,14 @@ class EngineMisconfigured(EngineError):
     code = "engine_misconfigured"
 
 
+# vLLM's (and the shim's) wording of a prompt plus max_tokens over the context length.
+_CONTEXT_LENGTH = re.compile(r"maximum context length|longer than the maximum model length")
+
+
 class EngineRejected(RouterError):
-    """The engine refused the request with a 4xx; its status and message go to the client."""
+    """The engine refused the request with a 4xx; its status and message go to the client.
+    The engine's context-length refusal keeps OpenAI's `context_length_exceeded` code,
+    which clients branch on (vLLM's own `code` is the status number)."""
 
     type = "BadRequestError"
     code = "engine_rejected"
@@ -262,6 +271,8 @@ class EngineRejected(RouterError):
     def __init__(self, message: str, *, status: int, param: str | None = None) -> None:
         super().__init__(message, param=param)
         self.status = status
+        if status == 400 and _CONTEXT_LENGTH.search(message):
+            self.code = ContextLengthExceeded.code
 
 
 def error_body(exc: RouterError) -> dict[str, Any]:

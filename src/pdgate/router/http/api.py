@@ -275,8 +275,14 @@ def install_routes(table: RouteTable, holder: StateHolder) -> None:
         table.add("POST", path, _completion_handler(holder, kind, path))
 
     def model_card(name: str) -> dict[str, object]:
-        return {"id": name, "object": "model", "created": holder.state.started_at,
-                "owned_by": "pdgate"}
+        # vLLM's fields too: `root` the model the engines load, `parent` None (not a LoRA),
+        # `max_model_len` the context length (None when the router knows none).
+        st = holder.state
+        tokenizer = st.orchestrator.tokenizer
+        return {"id": name, "object": "model", "created": st.started_at,
+                "owned_by": "pdgate", "root": st.config.model, "parent": None,
+                "max_model_len": st.config.max_model_len or (
+                    tokenizer.max_model_len if tokenizer is not None else None)}
 
     async def models(request: Request) -> Response:
         data = [model_card(name) for name in holder.state.config.served_names]

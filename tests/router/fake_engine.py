@@ -14,7 +14,9 @@ with internal load balancing. A request's `X-data-parallel-rank` header picks it
 (unless `honour_rank_header` is off), else ranks take turns; each rank has its own NIXL
 identity (engine id `<engine_id>_dp<rank>`, side-channel port 5600 + rank), and
 `Recorded.rank` says which rank served a request. `vllm_push` makes a prefill answer like
-vLLM's NixlPushConnector (its identity, `transfer_mode: "push"`).
+vLLM's NixlPushConnector (its identity, `transfer_mode: "push"`); with a shared `PushBoard`,
+a decode leg naming a P identity waits until that P answered the same request id, as a vLLM
+D waits for P's WRITE (a leg naming the wrong rank waits in vain).
 """
 
 from __future__ import annotations
@@ -67,6 +69,17 @@ class FakeEngine:
     engine_id: str = "fake"
     tokens: tuple[str, ...] = ("Hello", " world", "!")
     return_kv_params: bool = True
+@dataclass
+class PushBoard:
+    """Where vLLM push-mode fakes meet: P marks (its rank's engine id, request id) once it
+    answered; a D leg naming that identity decodes only after the mark."""
+
+    landed: dict[tuple[str, str], asyncio.Event] = field(default_factory=dict)
+
+    def event(self, engine_id: str, request_id: str) -> asyncio.Event:
+        return self.landed.setdefault((engine_id, request_id), asyncio.Event())
+
+
     fail_status: int | None = None  # answer completions with this status
     fail_message: str | None = None  # ... and this error message
     # As D: answer 500 to a decode carrying KV params, like vLLM when P died before D read
@@ -116,6 +129,8 @@ class FakeEngine:
     _sender: NotifySender | None = None
 
     async def _pause(self, seconds: float) -> None:
+    push_board: PushBoard | None = None
+    push_wait_s: float = 10.0  # as D: how long a push leg waits for P's mark (then 500)
         """Sleep, but wake at once when the engine stops (so teardown never waits)."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), seconds)
@@ -271,6 +286,9 @@ class FakeEngine:
             "completion_tokens": 1,
             "total_tokens": PREFILL_PROMPT_TOKENS + 1,
             "prompt_tokens_details": {"cached_tokens": PREFILL_CACHED_TOKENS},
+        if not rec.is_prefill and not await self._pushed_to(rec):
+            err = {"error": {"message": "pushed KV never landed", "type": "X", "code": 500}}
+            return web.json_response(err, status=500)
         }
         if self.token_ids and rec.body.get("return_token_ids") and not chat:
             prompt = rec.body.get("prompt")
@@ -299,7 +317,10 @@ class FakeEngine:
         }
 
     def push_identity(self, rec: Recorded) -> dict[str, Any]:
-        """As a vLLM NixlPushConnector P: the identity of the rank that served `rec`."""
+        """As a vLLM NixlPushConnector P: the identity of the rank that served `rec`
+        (marked on the push board: the push lands on a D leg naming it)."""
+        if self.push_board is not None:
+            self.push_board.event(self.rank_engine_id(rec.rank), _rid(rec)).set()
         return {
             "transfer_mode": "push", "remote_engine_id": self.rank_engine_id(rec.rank),
             "remote_host": "127.0.0.1", "remote_port": 5600 + (rec.rank or 0),
@@ -328,6 +349,16 @@ class FakeEngine:
             if opts.get("include_usage"):
                 final = {**_chunk(chat, None), "id": rid}
                 final["usage"] = _decode_usage(len(self.tokens))
+    async def _pushed_to(self, rec: Recorded) -> bool:
+        """As D with a push board: wait for the P that `rec` names to have answered."""
+        kv = rec.body.get("kv_transfer_params") or {}
+        if self.push_board is None or not kv.get("do_remote_prefill"):
+            return True
+        landed = self.push_board.event(str(kv.get("remote_engine_id")), _rid(rec))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(landed.wait(), self.push_wait_s)
+        return landed.is_set()
+
                 await _send(resp, final)
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, ConnectionError):
@@ -371,6 +402,10 @@ def _chunk(chat: bool, token: str | None) -> dict[str, Any]:
         choices = [] if token is None else [
             {"index": 0, "delta": {"content": token}, "finish_reason": None}]
         return {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
+def _rid(rec: Recorded) -> str:
+    return str(rec.headers.get("X-Request-Id"))
+
+
                 "model": "tiny", "choices": choices}
     choices = [] if token is None else [{"index": 0, "text": token, "finish_reason": None}]
     return {"id": "cmpl-fake", "object": "text_completion", "created": 1, "model": "tiny",

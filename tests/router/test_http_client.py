@@ -1,6 +1,7 @@
 """The engine HTTP client (router/engines/http11.py) against raw asyncio servers: keep-alive
 reuse, the retry on a kept-alive connection the server closed, body framings, the pool's
-connection limit, and its failure types."""
+connection limit, its failure types, and a body finished early (an SSE stream at [DONE]).
+Bytes past a response's framing: tests/router/test_engine_framing.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 from pdgate.router.engines.http11 import (
+    END_GRACE_S,
     STALE_CLOSE_S,
     BadResponse,
     ConnectFailed,
@@ -218,3 +220,39 @@ async def test_header_injection_is_refused() -> None:
         await pool.request("POST", "http://127.0.0.1:9", "/x", b"", {"X-A": "a\r\nB: c"},
                            connect_deadline=deadline, deadline=deadline)
     await pool.close()
+
+
+SSE_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
+DONE_CHUNK = b"e\r\ndata: [DONE]\n\n\r\n"
+
+
+@pytest.mark.parametrize(("after_done", "reused"), [
+    (b"0\r\n\r\n", True),  # the body ends right after [DONE]: the connection is pooled
+    (b"3\r\n: x\r\n0\r\n\r\n", False),  # more body after [DONE]: closed
+    (b"", False),  # the body never ends: closed after END_GRACE_S
+])
+async def test_a_body_finished_early_is_pooled_only_if_it_ends_there(
+    after_done: bytes, reused: bool
+) -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(SSE_HEAD + DONE_CHUNK)
+            await asyncio.sleep(0.05)  # the end comes in a later read, after the caller left
+            writer.write(after_done)
+
+    async with server(handler) as (url, accepted):
+        pool = new_pool()
+        discarded: list[str] = []
+        pool.set_discard_listener(discarded.append)
+        for _ in range(2):
+            deadline = asyncio.get_running_loop().time() + 2.0
+            resp = await pool.request("POST", url, "/x", b"{}", {}, connect_deadline=deadline,
+                                      deadline=deadline)
+            assert await resp.read_some(deadline) == b"data: [DONE]\n\n"
+            resp.finish()  # returns at once: the end is awaited without the caller
+            await asyncio.sleep(0.1 if reused or after_done else END_GRACE_S + 0.2)
+        assert len(accepted) == (1 if reused else 2)
+        assert discarded == ([] if reused else ["sse_after_done"] * 2)
+        await pool.close()

@@ -137,3 +137,23 @@ async def test_an_endpoint_that_raises_is_a_logged_500_and_a_client_gone_a_quiet
             caplog.clear()
             assert (await client.get("/gone")).status_code == 499
             assert caplog.records == []
+
+
+async def test_an_explicit_head_route_and_the_longest_prefix_win() -> None:
+    def answer(text: bytes) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            return Response(text + request.path_params.get("rest", "").encode(),
+                            headers={"X-Which": text.decode()})
+        return endpoint
+
+    table = RouteTable()
+    table.add("GET", "/page", answer(b"get"))
+    table.add("HEAD", "/page", answer(b"head"))
+    table.add("GET", "/v1/{rest:path}", answer(b"short:"))
+    table.add("GET", "/v1/models/{rest:path}", answer(b"long:"))
+    transport = httpx.ASGITransport(app=table.app([], no_lifespan))
+    async with httpx.AsyncClient(transport=transport, base_url="http://router") as client:
+        assert (await client.head("/page")).headers["x-which"] == "head"
+        assert (await client.get("/page")).text == "get"
+        assert (await client.get("/v1/models/org/m")).text == "long:org/m"
+        assert (await client.get("/v1/other")).text == "short:other"

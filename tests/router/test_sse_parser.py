@@ -1,6 +1,7 @@
 """`router.sse.EventChecker` (the engine SSE protocol check) and the linear-time line
 buffering of both SSE classes: bytes pass through unchanged whatever the read boundaries,
-every violation is refused, held bytes stay under the line limit."""
+every violation is refused, the stream ends at its `[DONE]` event (what follows is never
+passed on, only noted), held bytes stay under the line limit."""
 
 from __future__ import annotations
 
@@ -66,8 +67,6 @@ def test_unterminated_done_at_the_end_is_accepted() -> None:
     b'{"choices":[]}\n\n',  # JSON where SSE was asked
     b"hello\n\n",
     b"<html>502 Bad Gateway</html>\n",
-    b"data: [DONE]\n\ndata: {}\n\n",  # data after [DONE]
-    b"data: [DONE]\n\nevent: late\n\n",
     b'data: {"a":' + b"[" * 5000 + b"]" * 5000 + b"}\n\n",  # past msgspec's depth budget
 ])
 @pytest.mark.parametrize("size", [1, 5, 1000])
@@ -91,8 +90,34 @@ def test_empty_stream_is_refused() -> None:
         EventChecker(100).end()
 
 
-def test_comments_and_blank_lines_after_done_are_fine() -> None:
-    assert run(b"data: [DONE]\n\n: bye\n\n\n", 3) == b"data: [DONE]\n\n: bye\n\n\n"
+@pytest.mark.parametrize("after", [
+    b'data: {"late": 1}\n\n', b"event: late\n\n", b": bye\n\n", b"\n", b"oops",
+    b"data: not json\n\n", b"x" * 5000,
+])
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_the_stream_ends_at_its_done_event(after: bytes, size: int) -> None:
+    # Whatever follows [DONE] is neither checked nor passed on, only noted: the relay
+    # ends the client's stream there and does not reuse the engine's connection.
+    head = b'data: {"ok":1}\n\ndata: [DONE]\n\n'
+    checker = EventChecker(1000)
+    data = head + after
+    out = b"".join(checker.feed(data[i:i + size]) for i in range(0, len(data), size))
+    assert out == head and checker.finished and checker.trailing
+    assert checker.end() == b""
+
+
+@pytest.mark.parametrize("size", [1, 5, 1000])
+def test_a_done_event_is_finished_by_its_blank_line(size: int) -> None:
+    done = b'data: {"ok":1}\n\ndata: [DONE]\r\n\r\n'
+    checker = EventChecker(1000)
+    out = b"".join(checker.feed(done[i:i + size]) for i in range(0, len(done), size))
+    assert out == done and checker.finished and not checker.trailing
+    # Another line right after `data: [DONE]`: the stream ends before it, with the blank
+    # line a client's SSE parser needs to dispatch the [DONE] event.
+    checker = EventChecker(1000)
+    data = b"data: [DONE]\ndata: {}\n\n"
+    out = b"".join(checker.feed(data[i:i + size]) for i in range(0, len(data), size))
+    assert out == b"data: [DONE]\n\n" and checker.finished and checker.trailing
 
 
 @pytest.mark.parametrize("size", [1, 10, 64, 5000])
@@ -151,6 +176,5 @@ def test_a_read_of_whole_events_is_checked_at_once() -> None:
     checker = EventChecker(1 << 20)
     assert checker.feed(events) is events
     assert checker.feed(events + b"data: [DONE]\n\n") == events + b"data: [DONE]\n\n"
-    assert checker.done
-    with pytest.raises(SSEProtocolError, match="data after"):
-        checker.feed(events)
+    assert checker.done and checker.finished and not checker.trailing
+    assert checker.feed(events) == b"" and checker.trailing  # after [DONE]: not passed on

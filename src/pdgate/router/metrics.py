@@ -121,6 +121,8 @@ class RouterMetrics:
     kv_aborts: FastCounter  # result (ok | unsupported | failed): P asked to free a request's KV
     breaker_opened: FastCounter  # role: circuit breakers opened (engines ejected)
     engine_breaker_state: FastGauge  # engine, role: BREAKER_STATE_VALUES, read at scrape
+    # reason (engines/http11.py DISCARD_REASONS): engine connections closed for their bytes
+    engine_connections_discarded: FastCounter
     # reason (request_id | kv_params: the answer named another request; prompt_ids |
     # first_token: P's early first token failed its check, the plain flow ran)
     engine_answers_refused: FastCounter
@@ -311,6 +313,11 @@ class RouterMetrics:
                 "pdgate_engine_breaker_state",
                 "Engine circuit breaker state: 0 closed, 1 open (ejected), 2 half-open",
                 ["engine", "role"], registry=r,
+            ),
+            engine_connections_discarded=FastCounter(
+                "pdgate_engine_connections_discarded",
+                "Engine connections closed for bytes past a response's framing", ["reason"],
+                registry=r,
             ),
             engine_answers_refused=FastCounter(
                 "pdgate_engine_answers_refused",

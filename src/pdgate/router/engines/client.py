@@ -125,6 +125,11 @@ class EngineClient:
         """Who hears of each answer refused for answering another request (a counter)."""
         self._on_refused = listener
 
+    def set_discard_listener(self, listener: Callable[[str], None] | None) -> None:
+        """Who hears the reason of each engine connection closed for bytes past a
+        response's framing (`http11.DISCARD_REASONS`; a counter)."""
+        self._pool.set_discard_listener(listener)
+
     def refused(self, reason: str) -> None:
         """Count one refused engine answer (also called by the flows' own checks)."""
         if self._on_refused is not None:

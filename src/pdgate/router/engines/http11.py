@@ -22,6 +22,18 @@ connection, as browsers and aiohttp do. A drop later than that is an engine that
 request and died (or was killed) working on it: the request is not sent again behind the
 caller's back (engine POSTs are not idempotent: a prefill would pin its blocks twice); the
 flow's own retry and failover decide what happens next.
+
+Framing is exact: a connection goes back to the pool only when its parser ended exactly at
+the end of the response (nothing of a second message parsed) and no byte arrived since.
+Bytes on an idle connection, a second message (or its head) after the response in the same
+read, bytes after the response's end in a later read, or bytes httptools refuses close the
+connection, counted by reason (`ConnectionPool.set_discard_listener`); the response they
+followed stands when it was complete. Such bytes are never parsed as the next request's
+response. (A late answer that reaches a connection after the next request went out on it
+looks like that request's answer on the wire: the engine client's request-id check is
+what refuses it.) `Response.finish` ends a body the caller needs no more of (an SSE
+stream at its `[DONE]`): the connection is pooled only if the body then ends with no
+further byte within `END_GRACE_S`.
 """
 
 from __future__ import annotations
@@ -36,8 +48,9 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["STALE_CLOSE_S", "BadResponse", "ConnectFailed", "ConnectionPool", "Dropped",
-           "HTTPClientError", "InvalidHeader", "Response"]
+__all__ = ["DISCARD_REASONS", "END_GRACE_S", "STALE_CLOSE_S", "BadResponse", "ConnectFailed",
+           "ConnectionPool", "DiscardListener", "Dropped", "HTTPClientError", "InvalidHeader",
+           "Response"]
 
 _HIGH_WATER = 256 * 1024  # buffered body bytes before the socket stops being read
 _INLINE_BODY = 64 * 1024  # bodies up to this size go out in the same write as the headers
@@ -45,6 +58,18 @@ _MAX_HEAD = 64 * 1024  # status line and headers: an engine sending more is not 
 # A keep-alive connection the server had already closed drops the request at once (its FIN
 # crossed ours); later than this, the engine had the request.
 STALE_CLOSE_S = 0.25
+# After an SSE `[DONE]`, the body's end (the last chunk) follows at once from an engine that
+# keeps to the protocol; one that has not ended it by then loses the connection.
+END_GRACE_S = 1.0
+# Why a connection was closed for its bytes (the discard listener's labels).
+DISCARD_REASONS = (
+    "idle_bytes",  # bytes arrived on an idle pooled connection
+    "extra_message",  # a second message (or its head) followed the response in one read
+    "bytes_after_end",  # bytes arrived after the response ended, before it was released
+    "sse_after_done",  # an SSE body went on after `[DONE]`, or did not end in time
+    "invalid_response",  # httptools refused the bytes (no HTTP/1.x framing it accepts)
+)
+DiscardListener = Callable[[str], None]
 
 
 class HTTPClientError(Exception):
@@ -65,6 +90,10 @@ class BadResponse(HTTPClientError):
 
 class InvalidHeader(HTTPClientError, ValueError):
     """A request header value holds a line break or NUL (it would split the request)."""
+
+
+class _SecondMessage(Exception):
+    """Raised from the parser's message-begin callback to stop it at a second message."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,9 +132,13 @@ class _Connection(asyncio.Protocol):
     """One keep-alive connection; parses one response at a time (httptools callbacks)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop,
-                 on_lost: Callable[[_Connection], None]) -> None:
+                 on_lost: Callable[[_Connection], None], on_discard: DiscardListener) -> None:
         self._loop = loop
         self._on_lost = on_lost
+        self._on_discard = on_discard
+        # While a finished body's end is awaited (`await_end`): told whether it is reusable.
+        self._then: Callable[[bool], None] | None = None
+        self._end_timer: asyncio.TimerHandle | None = None
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
@@ -123,6 +156,7 @@ class _Connection(asyncio.Protocol):
         self.done = False  # the response's body is complete
         self.keep_alive = False  # the server keeps the connection open after it
         self.error: HTTPClientError | None = None
+        self._second = False  # a second message began after this response
         self._body: deque[bytes] = deque()
         self._buffered = 0
         self._paused = False
@@ -137,8 +171,10 @@ class _Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
-        if not self.busy:  # bytes nobody asked for: the connection is unusable
-            self.close()
+        if not self.busy or self.done:
+            # Bytes nobody asked for (a late or extra answer): never parsed, since the next
+            # request on this connection would take them for its response.
+            self.discard("bytes_after_end" if self.busy else "idle_bytes")
             return
         self.got_bytes = True
         if not self.headers_done:
@@ -150,9 +186,15 @@ class _Connection(asyncio.Protocol):
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            if self._second:  # the response before it was complete and stands
+                self.discard("extra_message")
+                return
             self._fail(BadResponse(f"invalid HTTP response: {exc}") if not self.headers_done
                        else Dropped(f"invalid response body: {exc}"))
-            self.close()
+            self.discard("invalid_response")
+            return
+        if self._then is not None and self.done:  # the awaited end came, nothing after it
+            self._settle(self.reusable())
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -164,6 +206,7 @@ class _Connection(asyncio.Protocol):
                 self.error = Dropped(f"connection closed before the response was "
                                      f"complete{why}")
         _wake(self._waiter)
+        self._settle(False)
         self._on_lost(self)
 
     def pause_writing(self) -> None:  # the transport buffers a large body meanwhile
@@ -173,8 +216,14 @@ class _Connection(asyncio.Protocol):
         pass
 
     # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.done:  # stop the parser before it takes a second message's headers
+            self._second = True
+            raise _SecondMessage
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers[name.lower()] = value
+        if not self.headers_done:  # trailers never change the response's headers
+            self.headers[name.lower()] = value
 
     def on_headers_complete(self) -> None:
         status: int = self._parser.get_status_code()
@@ -186,6 +235,9 @@ class _Connection(asyncio.Protocol):
         _wake(self._waiter)
 
     def on_body(self, body: bytes) -> None:
+        if self._then is not None:  # the caller had all it wanted: more is a fault
+            self.discard("sse_after_done")
+            return
         self._body.append(body)
         self._buffered += len(body)
         if self._buffered > _HIGH_WATER and not self._paused and self._transport is not None:
@@ -205,6 +257,32 @@ class _Connection(asyncio.Protocol):
         h = self.headers
         return b"content-length" not in h and b"chunked" not in h.get(
             b"transfer-encoding", b"").lower()
+
+    def discard(self, reason: str) -> None:
+        """Close the connection for its bytes, counted once."""
+        if not self.closed:
+            self._on_discard(reason)
+        self.close()
+        self._settle(False)
+
+    def await_end(self, grace_s: float, then: Callable[[bool], None]) -> None:
+        """The caller has all it wants of the body: `then(reusable)` once the body ends
+        with no further byte (True), or at the first body byte, a drop or `grace_s`
+        (False; the connection is closed)."""
+        self._then = then
+        self._end_timer = self._loop.call_later(grace_s, self.discard, "sse_after_done")
+
+    def _settle(self, reusable: bool) -> None:
+        then, self._then = self._then, None
+        if self._end_timer is not None:
+            self._end_timer.cancel()
+            self._end_timer = None
+        if then is not None:
+            then(reusable)
+
+    def has_body(self) -> bool:
+        """Body bytes arrived that nobody read yet."""
+        return bool(self._body)
 
     def _fail(self, error: HTTPClientError) -> None:
         if self.error is None:
@@ -267,8 +345,9 @@ class _Connection(asyncio.Protocol):
             await self.wait(deadline)
 
     def reusable(self) -> bool:
+        """The parser ended exactly at the end of a keep-alive response, all of it read."""
         return (self.done and self.keep_alive and not self._body and self.error is None
-                and not self.closed)
+                and not self._second and not self.closed)
 
     def close(self) -> None:
         self.closed = True
@@ -316,6 +395,23 @@ class Response:
         if conn is not None:
             self._pool.release(self._origin, conn, False)
 
+    def finish(self, trailing: bool = False) -> None:
+        """The caller has all it wants of the body (an SSE stream at its `[DONE]` event;
+        `trailing`: it saw bytes after it). The connection goes back to the pool only if
+        the body ends right there: no further body byte, and its end within `END_GRACE_S`
+        (waited for without the caller); else it is closed, counted. Returns at once."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        pool, origin = self._pool, self._origin
+        if trailing or conn.has_body():
+            conn.discard("sse_after_done")
+            pool.release(origin, conn, False)
+        elif conn.done or conn.closed or conn.error is not None:
+            pool.release(origin, conn, conn.reusable())
+        else:
+            conn.await_end(END_GRACE_S, lambda ok: pool.release(origin, conn, ok))
+
 
 class ConnectionPool:
     """Keep-alive connections per origin. At most `limit` are in use at once (a request
@@ -334,6 +430,16 @@ class ConnectionPool:
         self._extra = f"{auth_header}\r\n" if auth_header else ""
         self._closed = False
         self._tls: ssl.SSLContext | None = None
+        self._discard_listener: DiscardListener | None = None
+
+    def set_discard_listener(self, listener: DiscardListener | None) -> None:
+        """Who hears the reason (one of `DISCARD_REASONS`) of each connection closed for
+        bytes past its framing (a counter)."""
+        self._discard_listener = listener
+
+    def _discarded(self, reason: str) -> None:
+        if self._discard_listener is not None:
+            self._discard_listener(reason)
 
     def origin(self, url: str) -> Origin:
         found = self._origins.get(url)
@@ -431,7 +537,8 @@ class ConnectionPool:
         try:
             async with asyncio.timeout_at(deadline):
                 _, proto = await loop.create_connection(
-                    lambda: _Connection(loop, lost), origin.host, origin.port, ssl=tls,
+                    lambda: _Connection(loop, lost, self._discarded), origin.host,
+                    origin.port, ssl=tls,
                     server_hostname=origin.host if tls else None)
         except TimeoutError:  # an OSError too, but a deadline, not a refusal
             raise

@@ -58,10 +58,15 @@ class EventChecker:
     `event:`/`id:`/`retry:` field, or `data:` whose value is a JSON object or `[DONE]`;
     one event per `data:` line (multi-line data would not be one JSON value anyway);
     lines are UTF-8, at most `max_line_bytes` long, with no CR inside (a client's parser
-    would end the line there); `[DONE]` comes before the end and only blank lines or
-    comments after it. `feed()` returns the complete lines received so
-    far, as received (the chunk itself when it ends a line: no copy), and raises
-    `SSEProtocolError` at the first violation; `end()` at end of stream.
+    would end the line there); `[DONE]` comes before the end. `feed()` returns the
+    complete lines received so far, as received (the chunk itself when it ends a line: no
+    copy), and raises `SSEProtocolError` at the first violation; `end()` at end of stream.
+
+    The stream ends at its `[DONE]` event: `finished` once the `data: [DONE]` line and the
+    blank line after it were returned. Nothing after that is checked or returned; any byte
+    of it sets `trailing` (the engine went on talking: its connection is not reused). A
+    line other than the blank one right after `[DONE]` ends the stream there too, with the
+    blank line the event needs added.
     """
 
     def __init__(self, max_line_bytes: int) -> None:
@@ -69,9 +74,15 @@ class EventChecker:
         self._held: list[bytes] = []  # pieces of the partial line, without any newline
         self._held_len = 0
         self.done = False  # `data: [DONE]` seen
+        self.finished = False  # ... and its event returned whole: the stream is over
+        self.trailing = False  # bytes came after the `[DONE]` event (never returned)
+        self._blank_after_done = True  # the `[DONE]` event ended with its blank line
 
     def feed(self, chunk: bytes) -> bytes:
         """The complete lines of everything fed so far not yet returned (maybe b"")."""
+        if self.finished:
+            self.trailing = self.trailing or bool(chunk)
+            return b""
         if (not self._held and not self.done and chunk.startswith(_DATA)
                 and chunk.endswith(b"\n\n") and chunk.find(b"\n") == len(chunk) - 2
                 and chunk.isascii() and b"\r" not in chunk):
@@ -94,7 +105,14 @@ class EventChecker:
             self._held_len = 0
         if end < len(chunk):
             self._hold(chunk[end:])
-        self._check_lines(done)
+        cut = self._check_lines(done)
+        if self.finished and (cut < len(done) or self._held):
+            self.trailing = True
+            self._held.clear()
+            self._held_len = 0
+            if cut < len(done):
+                # The client's SSE parser dispatches `[DONE]` only at a blank line.
+                return done[:cut] if self._blank_after_done else done[:cut] + b"\n"
         return done
 
     def end(self) -> bytes:
@@ -103,6 +121,9 @@ class EventChecker:
         tail = b"".join(self._held)
         self._held.clear()
         self._held_len = 0
+        if tail and self.done:  # a partial line after `[DONE]`: not part of the stream
+            self.trailing = self.finished = True
+            return b""
         if tail:
             if not tail.isascii():
                 _check_utf8(tail)
@@ -119,12 +140,14 @@ class EventChecker:
             raise SSELineTooLong(f"an SSE line is longer than {self._max} bytes")
         self._held.append(piece)
 
-    def _check_lines(self, part: bytes) -> None:
-        # `part` ends with a newline. bytes.split and slicing run in C; a token event costs
-        # a few C calls plus one skipping JSON decode.
+    def _check_lines(self, part: bytes) -> int:
+        """Check whole lines (`part` ends with a newline); the length of what belongs to
+        the stream: all of `part`, or up to the end of its `[DONE]` event."""
+        # bytes.split and slicing run in C; a token event costs a few C calls plus one
+        # skipping JSON decode.
         if (not self.done and part.startswith(_DATA) and b"\r" not in part
                 and self._only_events(part)):
-            return
+            return len(part)
         lines = part.split(b"\n")  # anything else, line by line: the check names the fault
         lines.pop()  # the empty piece after the last newline
         if len(part) > self._max and max(map(len, lines)) > self._max:
@@ -133,14 +156,21 @@ class EventChecker:
             for line in lines:
                 _check_utf8(line)
         plain = b"\r" not in part  # else every line takes the careful path
+        pos = 0  # where `line` starts in `part`
         for line in lines:
-            if plain and line.startswith(_DATA) and not self.done and line != _DATA_DONE:
+            if self.done:  # the line after `data: [DONE]`: the stream ends with it or here
+                self.finished = True
+                self._blank_after_done = line in (b"", b"\r")
+                return pos + len(line) + 1 if self._blank_after_done else pos
+            pos += len(line) + 1
+            if plain and line.startswith(_DATA) and line != _DATA_DONE:
                 try:
                     _check_object(line[6:])  # a token event
                     continue
                 except _NOT_AN_OBJECT:
                     pass
             self._check_line(line)
+        return pos
 
     def _only_events(self, part: bytes) -> bool:
         """True when `part` (no CR) is nothing but whole `data: <payload>` events in UTF-8,
@@ -166,7 +196,7 @@ class EventChecker:
             deque(map(_check_object, payloads), 0)
         except _NOT_AN_OBJECT:
             return False
-        self.done = done
+        self.done = self.finished = done  # `[DONE]` came last, with its blank line
         return True
 
     def _check_line(self, line: bytes) -> None:

@@ -117,7 +117,7 @@ class EngineStream:
                 first, self._first = self._first, b""
                 yield first
             resp, loop = self._resp, asyncio.get_running_loop()
-            while not self._eof:
+            while not self._eof and not self._checker.finished:  # ends at its [DONE]
                 with translate(self._url, "stream idle"):
                     raw = await resp.read_some(loop.time() + self._idle)
                 if out := self._accept(raw):
@@ -170,5 +170,7 @@ class EngineStream:
         """Release the upstream connection (to the pool if fully read, else closed)."""
         if self._eof:
             self._resp.release()
+        elif self._checker.finished:  # pooled only if the body ends right after [DONE]
+            self._resp.finish(self._checker.trailing)
         else:
             self._resp.close()

@@ -143,6 +143,8 @@ async def _serving_state(
             return await engines.health(ep.url)
 
         engines.set_stream_listener(_breaker_feed(pool))
+        engines.set_discard_listener(
+            lambda reason: metrics.child(metrics.engine_connections_discarded, reason).inc())
 
         await pool.check_all(probe)
         if config.discovery == "k8s":

@@ -92,16 +92,18 @@ class RouterApp:
         self._middlewares = tuple(middlewares)
         self._lifespan = lifespan
         self._exact: dict[str, dict[str, ASGIApp]] = {}
-        self._prefixed: dict[str, tuple[str, dict[str, ASGIApp]]] = {}  # prefix: name, apps
+        prefixed: dict[str, tuple[str, dict[str, ASGIApp]]] = {}
         for route in self.routes:
-            methods = ("GET", "HEAD") if route.method == "GET" else (route.method,)
             if (param := route.param) is None:
                 slot = self._exact.setdefault(route.path, {})
             else:
-                slot = self._prefixed.setdefault(param[0], (param[1], {}))[1]
+                slot = prefixed.setdefault(param[0], (param[1], {}))[1]
             app = self._wrap(_endpoint_app(route.endpoint))
-            for method in methods:
-                slot.setdefault(method, app)  # an explicit HEAD route comes first
+            slot[route.method] = app  # each (method, path) is declared once
+            if route.method == "GET":
+                slot.setdefault("HEAD", app)  # unless a HEAD route of its own is declared
+        # The longest prefix first: a longer one is the more specific route.
+        self._prefixed = dict(sorted(prefixed.items(), key=lambda kv: -len(kv[0])))
         self._not_found = self._wrap(_error_app(RouteNotFound("Not Found")))
         self._not_allowed = {id(apps): self._wrap(_error_app(
             MethodNotAllowed("Method Not Allowed"), {"Allow": ", ".join(sorted(apps))}))

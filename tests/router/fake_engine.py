@@ -56,6 +56,13 @@ class Recorded:
         return isinstance(params, dict) and params.get("do_remote_decode") is True
 
 
+# vLLM's routes besides completions that the router passes through to one engine.
+VLLM_OTHER_ROUTES = (
+    ("POST", "/v1/embeddings"), ("POST", "/v1/rerank"), ("POST", "/v1/score"),
+    ("POST", "/v1/responses"), ("POST", "/tokenize"), ("POST", "/detokenize"),
+    ("GET", "/version"),
+)
+
 # What a token-id-listing P reports: the prompt's ids (the client's, when it sent ids) and
 # the token it sampled ("P": its id in the tiny model's vocabulary, so the router's check
 # that P's text decodes from P's id passes).
@@ -149,6 +156,8 @@ class PushBoard:
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_post("/v1/chat/completions", self._completion)
         app.router.add_get("/health", self._health)
+        for method, path in VLLM_OTHER_ROUTES:
+            app.router.add_route(method, path, self._other)
         if self.kv_endpoints:
             app.router.add_post("/v1/kv/reserve", self._reserve)
             app.router.add_post("/v1/kv/info", self._info)
@@ -170,6 +179,27 @@ class PushBoard:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+
+    async def _other(self, request: web.Request) -> web.StreamResponse:
+        """vLLM's other routes (embeddings, tokenize, ...): recorded, answered with what
+        was asked (as SSE when `stream`); `fail_status` applies."""
+        body = await request.json() if request.can_read_body else {}
+        self.requests.append(Recorded(request.path, CIMultiDict(request.headers), body,
+                                      self._rank_of(request)))
+        if self.fail_status:
+            err = {"error": {"message": self.fail_message or "fake failure", "type": "X",
+                             "code": self.fail_status}}
+            return web.json_response(err, status=self.fail_status)
+        answer = {"object": "fake", "path": request.path, "engine": self.engine_id,
+                  "model": body.get("model")}
+        if not body.get("stream"):
+            return web.json_response(answer)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for part in ("a", "b"):
+            await _send(resp, {**answer, "part": part})
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
 
     async def _reserve(self, request: web.Request) -> web.Response:
         body = await request.json()

@@ -73,6 +73,10 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                             "prefix-text, kv-events, or vllm-router's names (params: YAML "
                             "{type, name, params})"),
     ("decode_policy", str, "how to pick a decode engine (same choices as --prefill-policy)"),
+    ("passthrough_role", str, "the engines serving the pass-through routes (/v1/embeddings, "
+                              "/v1/rerank, /v1/score, /v1/responses, /tokenize, /detokenize, "
+                              "/version: one engine, no disaggregation), picked by that "
+                              "role's policy"),
     ("host", str, "address to listen on"),
     ("port", int, "port to listen on"),
     ("workers", int, "router processes sharing the port (SO_REUSEPORT), each with its own "
@@ -204,7 +208,7 @@ _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "k8s_api_url", "connect_timeout_s", "max_connections", "engine_keepalive_s",
                  "health_interval_s", "health_timeout_s", "health_failure_threshold",
                  "health_success_threshold", "startup_wait_s")),
-    ("routing", ("prefill_policy", "decode_policy", "prefix_block_size",
+    ("routing", ("prefill_policy", "decode_policy", "passthrough_role", "prefix_block_size",
                  "prefix_index_max_blocks", "kv_events", "disagg_min_tokens",
                  "disagg_prefix_ratio", "eject_consecutive_errors", "breaker_open_s",
                  "max_retries", "retry_backoff_s")),

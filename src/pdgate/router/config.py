@@ -69,6 +69,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     pd_mode: Literal["pull", "notify", "push"] = "pull"
     prefill_policy: str | PolicySpec = "round-robin"
     decode_policy: str | PolicySpec = "least-inflight"
+    # Which pool serves the pass-through routes (embeddings, tokenize, ...: one engine, no
+    # P/D; router/http/passthrough.py), picked by that pool's policy.
+    passthrough_role: Literal["decode", "prefill"] = "decode"
     host: str = "127.0.0.1"
     port: int = 8000
     # Router processes sharing `port` (SO_REUSEPORT), each with its own engine session,

@@ -205,6 +205,18 @@ class EngineClient:
         return await self._post(url, path, body, headers, check, "decode", None,
                                 self._cfg.decode_first_byte_timeout_s)
 
+    async def forward(self, url: str, method: str, path: str, body: bytes | None,
+                      headers: Mapping[str, str]) -> Response:
+        """Send a pass-through request (router/http/passthrough.py: embeddings, tokenize,
+        ...) and return the engine's response once its headers arrived, whatever its
+        status: the caller reads the body (with `translate`) and releases it. Connect and
+        headers within the decode first-byte deadline."""
+        with translate(url, "pass-through"):
+            first = _deadline(self._cfg.decode_first_byte_timeout_s)
+            connect = min(first, _deadline(self._cfg.connect_timeout_s))
+            return await self._pool.request(method, url, path, body, headers,
+                                            connect_deadline=connect, deadline=first)
+
     def _matched(self, check: Callable[..., T], *args: Any) -> T:
         """`check(*args)`, counting an `AnswerMismatch` it raises."""
         try:

@@ -34,6 +34,7 @@ from pdgate.router.http.admin import install_admin_routes
 from pdgate.router.http.api import RouterState, StateHolder, install_routes
 from pdgate.router.http.auth import AuthMiddleware
 from pdgate.router.http.dashboard import install_dashboard
+from pdgate.router.http.passthrough import install_passthrough
 from pdgate.router.http.routes import RouterApp, RouteTable
 from pdgate.router.input.limits import InputLimits
 from pdgate.router.input.tokenization import PromptTokenizer
@@ -88,6 +89,7 @@ def create_app(
     # each passes the same middlewares.
     table = RouteTable()
     install_routes(table, holder)
+    install_passthrough(table, holder)  # embeddings, tokenize, ...: one engine, no P/D
     dashboard = install_dashboard(table, holder)
     if config.admin_api_key:
         install_admin_routes(table, holder)

@@ -13,9 +13,6 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdgate.engine_shim.connector import KVConnector
-from pdgate.engine_shim.kv_cache import PagedKVCache
-from pdgate.engine_shim.kv_layout import KVLayout
 from pdgate.engine_shim.metrics import ShimMetrics
 from pdgate.engine_shim.notices import (
     MAX_NOTICE_BYTES,
@@ -31,6 +28,7 @@ from pdgate.engine_shim.notices import (
     encode_notice,
     failed,
 )
+from tests.engine_shim.fake_nixl import FakeFabric, started_connector, until
 
 HOSTILE_IDS = ["pdgate:reg:x", "pdgate:landed:req-1", "pdgate:unreg:", "a:b:1", "line\nbreak",
                "prüfung-日本-🚀", "x" * 5000, ""]
@@ -105,45 +103,32 @@ def test_failed_cuts_its_reason_and_detail_to_what_peers_accept() -> None:
     assert len(notice.reason) == 32 and len(notice.detail) == 512
 
 
-LAYOUT = KVLayout(num_layers=2, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=16)
-
-
 def _errors(metrics: ShimMetrics, reason: str) -> float:
     value = metrics.registry.get_sample_value(
         "pdgate_shim_protocol_errors_total", {"channel": "nixl_notice", "reason": reason})
     return value or 0.0
 
 
-def test_connector_counts_bad_notices_and_still_frees_leases_named_like_notices() -> None:
+async def test_connector_counts_bad_notices_and_still_frees_leases_named_like_notices() -> None:
     """The batch P's agent thread gets: junk first, then D's "done" for a lease whose id
     looks like a push notice. The junk is counted; the lease is freed (the old text format
     read `pdgate:...` ids as push notices and left the blocks pinned until the lease
-    expired)."""
+    expired). P runs on a fake NIXL agent (fake_nixl.py); the frames come through it."""
     freed: list[int] = []
     metrics = ShimMetrics.create(CollectorRegistry())
-    conn = KVConnector(engine_id="p", model_name="m", kv=PagedKVCache(LAYOUT, "cpu"),
-                       side_channel_host="127.0.0.1", side_channel_port=0, lease_seconds=60,
-                       free_blocks=freed.extend, metrics=metrics)
-    params = conn.hold_for_remote_decode("pdgate:reg:evil", [1, 2, 3])
-    assert conn.leased_blocks() == 3
-    for junk, _ in BAD_FRAMES.values():
-        conn._on_notice("d-agent", junk)
-    conn._on_notice("d-agent", encode_notice(ReadDone(lease_id=str(params["remote_request_id"]))))
-    assert freed == [1, 2, 3] and conn.leased_blocks() == 0
-    expected = [reason for _, reason in BAD_FRAMES.values()]
-    for reason in ("malformed", "bad_version", "oversized"):
-        assert _errors(metrics, reason) == expected.count(reason)
-
-
-def test_a_registration_must_come_from_the_agent_it_names() -> None:
-    metrics = ShimMetrics.create(CollectorRegistry())
-    conn = KVConnector(engine_id="p", model_name="m", kv=PagedKVCache(LAYOUT, "cpu"),
-                       side_channel_host="127.0.0.1", side_channel_port=0, lease_seconds=60,
-                       free_blocks=lambda ids: None, metrics=metrics)
-    reg = Registration(request_id="r", engine_id="d", host="127.0.0.1", port=5600,
-                       agent_name="d-1", block_ids=[1], num_tokens=4)
-    conn._on_notice("someone-else", encode_notice(reg))
-    assert _errors(metrics, "bad_sender") == 1
-    assert conn.leased_blocks() == 0 and len(conn._pushes) == 0
-    conn._on_notice("d-1", encode_notice(reg))
-    assert len(conn._pushes) == 1  # kept until P's prompt is done
+    fabric = FakeFabric()
+    conn = started_connector(fabric, "p", metrics=metrics, free_blocks=freed.extend)
+    try:
+        params = conn.hold_for_remote_decode("pdgate:reg:evil", [1, 2, 3])
+        assert conn.leased_blocks() == 3
+        for junk, _ in BAD_FRAMES.values():
+            fabric.send("d-agent", conn.agent_name, junk)
+        fabric.send("d-agent", conn.agent_name,
+                    encode_notice(ReadDone(lease_id=str(params["remote_request_id"]))))
+        await until(lambda: conn.leased_blocks() == 0)
+        assert freed == [1, 2, 3]
+        expected = [reason for _, reason in BAD_FRAMES.values()]
+        for reason in ("malformed", "bad_version", "oversized"):
+            assert _errors(metrics, reason) == expected.count(reason)
+    finally:
+        conn.close()

@@ -8,10 +8,11 @@ match; either side expires after the TTL; request ids P will not write for are r
 id stands: a resend from its agent is ignored, one from another agent is refused, and only
 the registering agent can unregister it.
 
-The connector side (no transfers: P's `failed` notices are recorded, not sent): P tells the
-registered D when the router aborts or the prefill fails, a registration after an abort or
-from a second agent is answered at once, and a D waiting for a landing stops at P's
-`failed` notice (a stray one, for a landing nobody awaits, is dropped). Over real NIXL:
+The connector side (connectors on fake NIXL agents, `fake_nixl.py`, with real side
+channels): P tells the registered D when the router aborts or the prefill fails, a
+registration after an abort or from a second agent is answered at once, one naming another
+agent is dropped, and a D waiting for a landing stops at P's `failed` notice (a stray one,
+for a landing nobody awaits, is dropped). Over real NIXL:
 tests/engine_shim/test_push_failures.py.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
@@ -26,20 +28,21 @@ from prometheus_client import CollectorRegistry
 
 from pdgate.contract.kv_contract import PushDecodeParams, PushPrefillParams
 from pdgate.engine_shim.connector import KVConnector
-from pdgate.engine_shim.kv_cache import PagedKVCache
-from pdgate.engine_shim.kv_layout import KVLayout
 from pdgate.engine_shim.metrics import ShimMetrics
 from pdgate.engine_shim.notices import (
     FAILURE_REASONS,
     NOTICE_VERSION,
+    Failed,
     Landed,
     Registration,
     Unregistration,
+    decode_notice,
     encode_notice,
     failed,
 )
-from pdgate.engine_shim.push import Expired, Match, PendingPushes, Refusal, WriteTarget
+from pdgate.engine_shim.push import Expired, Match, PendingPushes, Refusal
 from pdgate.engine_shim.transfer_errors import KVTransferError
+from tests.engine_shim.fake_nixl import FakeFabric, started_connector, until
 
 TTL = 10.0
 PARAMS = PushPrefillParams(num_tokens=6, notify_endpoint="tcp://127.0.0.1:1",
@@ -239,128 +242,160 @@ def test_pop_all_returns_every_block_and_refuses_every_registration(
 
 
 # -- the connector: who gets a `failed` notice, and what D does with one ----------------------
+# Connectors on fake NIXL agents (fake_nixl.py) with real side channels: notices travel
+# through the fake fabric, P meets D by a real handshake before telling it.
 
-LAYOUT = KVLayout(num_layers=2, num_blocks=16, block_size=4, num_kv_heads=2, head_dim=16)
-Told = list[tuple[str, str, str]]  # (tag, reason, D's agent) of each failed notice sent
-
-
-def _connector(monkeypatch: pytest.MonkeyPatch, name: str = "p") -> tuple[KVConnector, Told]:
-    """A connector built on the running loop (as the server's lifespan builds it) whose
-    failed notices are recorded instead of sent over NIXL."""
-    conn = KVConnector(engine_id=name, model_name="m", kv=PagedKVCache(LAYOUT, "cpu"),
-                       side_channel_host="127.0.0.1", side_channel_port=0, lease_seconds=60,
-                       free_blocks=lambda ids: None,
-                       metrics=ShimMetrics.create(CollectorRegistry()))
-    told: Told = []
-
-    async def record(target: WriteTarget, reason: str, detail: str) -> None:
-        told.append((target.tag, reason, target.agent_name or ""))
-
-    monkeypatch.setattr(conn, "_send_failed", record)
-    return conn, told
+Trio = tuple[FakeFabric, KVConnector, KVConnector, KVConnector]
+METRICS: dict[str, ShimMetrics] = {}  # by engine id, for the trio being tested
 
 
-async def _settle() -> None:
-    for _ in range(3):  # call_soon_threadsafe -> task -> record
-        await asyncio.sleep(0)
+@pytest.fixture
+async def trio() -> AsyncIterator[Trio]:
+    """P and two decode engines on one fabric."""
+    fabric = FakeFabric()
+    METRICS.clear()
+    conns = []
+    for name in ("p", "d1", "d2"):
+        METRICS[name] = ShimMetrics.create(CollectorRegistry())
+        conns.append(started_connector(fabric, name, metrics=METRICS[name]))
+    yield fabric, conns[0], conns[1], conns[2]
+    for c in conns:
+        c.close()
 
 
-async def test_p_tells_the_registered_d_when_the_router_aborts(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    conn, told = _connector(monkeypatch)
-    conn._on_notice("d-1", encode_notice(_reg("r", "d-1")))
-    conn.abort("r")
-    await _settle()
-    assert told == [("r", "aborted", "d-1")]
-    assert len(conn._pushes) == 0
+def _register(fabric: FakeFabric, p: KVConnector, d: KVConnector, rid: str = "r",
+              sender: str | None = None) -> None:
+    """D's registration for `rid` as D's agent sends it (or as `sender` does)."""
+    reg = Registration(request_id=rid, engine_id=d.engine_id, host="127.0.0.1",
+                       port=d.side_channel_port, agent_name=d.agent_name, block_ids=[7, 8],
+                       num_tokens=6)
+    fabric.send(sender or d.agent_name, p.agent_name, encode_notice(reg))
 
 
-async def test_a_registration_after_the_abort_is_answered_at_once(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    conn, told = _connector(monkeypatch)
-    conn.abort("r")
-    conn._on_notice("d-1", encode_notice(_reg("r", "d-1")))
-    await _settle()
-    assert told == [("r", "aborted", "d-1")]
+def _told(fabric: FakeFabric, p: KVConnector, *ds: KVConnector) -> list[tuple[str, str, str]]:
+    """(tag, reason, engine told) of every failed notice P sent to one of `ds`."""
+    names = {d.agent_name: d.engine_id for d in ds}
+    return [(n.tag, n.reason, names[to]) for sender, to, frame in fabric.sent
+            if sender == p.agent_name and to in names
+            for n in [decode_notice(frame)] if isinstance(n, Failed)]
 
 
-async def test_a_failed_prefill_tells_the_registered_d(monkeypatch: pytest.MonkeyPatch) -> None:
-    conn, told = _connector(monkeypatch)
-    conn._on_notice("d-1", encode_notice(_reg("r", "d-1")))
-    conn.fail_push("r", "prefill", "prefill error")
-    conn.fail_push("r", "prefill", "released too")  # idempotent: told once
-    await _settle()
-    assert told == [("r", "prefill", "d-1")]
+async def _quiet() -> None:
+    await asyncio.sleep(0.2)  # long enough for an unexpected extra notice to show
 
 
-async def test_only_the_second_registrant_is_told_of_a_duplicate(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    conn, told = _connector(monkeypatch)
-    conn._on_notice("d-1", encode_notice(_reg("r", "d-1")))
-    conn._on_notice("d-2", encode_notice(_reg("r", "d-2")))
-    conn._on_notice("d-1", encode_notice(_reg("r", "d-1")))  # resend: quiet
-    conn._on_notice("d-2", encode_notice(Unregistration(request_id="r")))  # not d-2's
-    await _settle()
-    assert told == [("r", "duplicate", "d-2")]
-    assert len(conn._pushes) == 1
-    conn._on_notice("d-1", encode_notice(Unregistration(request_id="r")))
-    assert len(conn._pushes) == 0
+async def test_p_tells_the_registered_d_when_the_router_aborts(trio: Trio) -> None:
+    fabric, p, d1, d2 = trio
+    _register(fabric, p, d1)
+    await until(lambda: p.pending_pushes() == 1)
+    p.abort("r")
+    await until(lambda: len(_told(fabric, p, d1, d2)) == 1)
+    await _quiet()
+    assert _told(fabric, p, d1, d2) == [("r", "aborted", "d1")]
+    assert p.pending_pushes() == 0
 
 
-async def test_a_malformed_registration_is_counted_and_never_kept(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    conn, told = _connector(monkeypatch)
+async def test_a_registration_after_the_abort_is_answered_at_once(trio: Trio) -> None:
+    fabric, p, d1, d2 = trio
+    p.abort("r")
+    _register(fabric, p, d1)
+    await until(lambda: len(_told(fabric, p, d1, d2)) == 1)
+    assert _told(fabric, p, d1, d2) == [("r", "aborted", "d1")]
+
+
+async def test_a_failed_prefill_tells_the_registered_d(trio: Trio) -> None:
+    fabric, p, d1, d2 = trio
+    _register(fabric, p, d1)
+    await until(lambda: p.pending_pushes() == 1)
+    p.fail_push("r", "prefill", "prefill error")
+    p.fail_push("r", "prefill", "released too")  # idempotent: told once
+    await until(lambda: len(_told(fabric, p, d1, d2)) == 1)
+    await _quiet()
+    assert _told(fabric, p, d1, d2) == [("r", "prefill", "d1")]
+
+
+async def test_only_the_second_registrant_is_told_of_a_duplicate(trio: Trio) -> None:
+    fabric, p, d1, d2 = trio
+    _register(fabric, p, d1)
+    await until(lambda: p.pending_pushes() == 1)
+    _register(fabric, p, d2)
+    _register(fabric, p, d1)  # resend: quiet
+    fabric.send(d2.agent_name, p.agent_name,
+                encode_notice(Unregistration(request_id="r")))  # not d2's to drop
+    await until(lambda: len(_told(fabric, p, d1, d2)) == 1)
+    await _quiet()
+    assert _told(fabric, p, d1, d2) == [("r", "duplicate", "d2")]
+    assert p.pending_pushes() == 1
+    fabric.send(d1.agent_name, p.agent_name, encode_notice(Unregistration(request_id="r")))
+    await until(lambda: p.pending_pushes() == 0)
+
+
+async def test_a_registration_naming_another_agent_is_dropped(trio: Trio) -> None:
+    fabric, p, d1, d2 = trio
+    _register(fabric, p, d1, sender=d2.agent_name)  # d2 points P's WRITE at d1
+    await until(lambda: _errors(p, "bad_sender") == 1)
+    assert p.pending_pushes() == 0
+    _register(fabric, p, d1)
+    await until(lambda: p.pending_pushes() == 1)
+
+
+async def test_a_malformed_registration_is_counted_and_never_kept(trio: Trio) -> None:
+    fabric, p, d1, d2 = trio
     bad = msgspec.msgpack.encode({"v": NOTICE_VERSION, "notice": {
         "kind": "reg", "request_id": "r", "engine_id": "d", "host": "h", "port": 1,
-        "agent_name": "d-1", "block_ids": ["1"], "num_tokens": 1}})
-    conn._on_notice("d-1", bad)
-    conn._on_notice("d-1", encode_notice(_reg("r", "d-1")))  # the valid one is kept
-    await _settle()
-    assert told == [] and len(conn._pushes) == 1
-    assert conn._metrics.registry.get_sample_value(
-        "pdgate_shim_protocol_errors_total",
-        {"channel": "nixl_notice", "reason": "malformed"}) == 1
+        "agent_name": d1.agent_name, "block_ids": ["1"], "num_tokens": 1}})
+    fabric.send(d1.agent_name, p.agent_name, bad)
+    _register(fabric, p, d1)  # the valid one is kept
+    await until(lambda: p.pending_pushes() == 1)
+    await _quiet()
+    assert _told(fabric, p, d1, d2) == []
+    assert _errors(p, "malformed") == 1
 
 
-async def test_d_stops_waiting_when_p_says_the_write_will_not_land(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    conn, _ = _connector(monkeypatch, "d")
-    wait = asyncio.create_task(conn._wait_landed("r", 30.0))
-    await asyncio.sleep(0.01)
+async def test_d_stops_waiting_when_p_says_the_write_will_not_land(trio: Trio) -> None:
+    """D registers with P over a real handshake; P then gives up on the request: D's wait
+    ends at once with the reason "peer", not at its 30 s transfer timeout."""
+    _, p, d1, _ = trio
+    params = PushDecodeParams(remote_engine_id=p.engine_id, remote_host="127.0.0.1",
+                              remote_port=p.side_channel_port, remote_agent_name=p.agent_name)
+    wait = asyncio.create_task(d1.await_push(params, "r", [1, 2], 6))
+    await until(lambda: p.pending_pushes() == 1)
     t0 = time.monotonic()
-    conn._on_notice("p-1", encode_notice(failed("r", "transfer", "WRITE failed")))
+    p.fail_push("r", "transfer", "WRITE failed")
     with pytest.raises(KVTransferError, match="transfer: WRITE failed") as info:
         await wait
     assert info.value.reason == "peer" and time.monotonic() - t0 < 0.5
-    assert "r" not in conn._landings  # forgotten
 
 
-async def test_await_landing_reads_a_failed_notice_as_not_landed(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    conn, _ = _connector(monkeypatch, "d")
-    conn.expect_landing("res-1")  # notify: D reserved; P's failure may come before the leg
-    conn._on_notice("p-1", encode_notice(failed("res-1", "timeout")))
+async def test_await_landing_reads_a_failed_notice_as_not_landed(trio: Trio) -> None:
+    fabric, _, d1, _ = trio
+    d1.expect_landing("res-1")  # notify: D reserved; P's failure may come before the leg
+    fabric.send("p-1", d1.agent_name, encode_notice(failed("res-1", "timeout")))
     t0 = time.monotonic()
-    assert await conn.await_landing("res-1", 30.0) is None
+    assert await d1.await_landing("res-1", 30.0) is None
     assert time.monotonic() - t0 < 0.5
 
 
-async def test_a_stray_failed_notice_cannot_poison_a_later_wait(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    conn, _ = _connector(monkeypatch, "d")
-    conn._on_notice("p-1", encode_notice(failed("r", "aborted")))
-    assert "r" not in conn._landings
-    wait = asyncio.create_task(conn.await_landing("r", 30.0))
+async def test_a_stray_failed_notice_cannot_poison_a_later_wait(trio: Trio) -> None:
+    fabric, _, d1, _ = trio
+    fabric.send("p-1", d1.agent_name, encode_notice(failed("r", "aborted")))
+    await _quiet()  # processed (and dropped) by now
+    wait = asyncio.create_task(d1.await_landing("r", 30.0))
     await asyncio.sleep(0.01)
-    conn._on_notice("p-1", encode_notice(Landed(tag="r", first_token_ids=[5])))
+    fabric.send("p-1", d1.agent_name, encode_notice(Landed(tag="r", first_token_ids=[5])))
     assert await wait == (5,)
 
 
-async def test_a_push_deadline_in_the_past_fails_before_registering(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    conn, _ = _connector(monkeypatch, "d")
+async def test_a_push_deadline_in_the_past_fails_before_registering(trio: Trio) -> None:
+    _, _, d1, _ = trio
     params = PushDecodeParams(remote_engine_id="p", remote_host="127.0.0.1", remote_port=9,
                               push_deadline=time.time() - 1)
     with pytest.raises(KVTransferError, match="push_deadline passed") as info:
-        await conn.await_push(params, "r", [1], 4)
+        await d1.await_push(params, "r", [1], 4)
     assert info.value.reason == "timeout"
+
+
+def _errors(conn: KVConnector, reason: str) -> float:
+    return METRICS[conn.engine_id].registry.get_sample_value(
+        "pdgate_shim_protocol_errors_total",
+        {"channel": "nixl_notice", "reason": reason}) or 0.0

@@ -86,7 +86,7 @@ def _p_params(n: int) -> dict[str, Any]:
 
 
 def _pushes(p: Shim) -> int:
-    return len(cast(KVConnector, p.engine.connector)._pushes)
+    return cast(KVConnector, p.engine.connector).pending_pushes()
 
 
 def _wait_registered(p: Shim, count: int = 1) -> None:

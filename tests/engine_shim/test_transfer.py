@@ -299,7 +299,7 @@ async def test_pull_from_nowhere_fails_within_deadline(
 async def test_restarted_peer_is_handshaken_again(
     decode: tuple[KVConnector, PagedKVCache, ShimMetrics], caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="pdgate.engine_shim.connector")
+    caplog.set_level(logging.INFO, logger="pdgate.engine_shim.connector_pull")
     conn, kv, metrics = decode
     reg = metrics.registry
     old = _spawn_p("prefill-r", LAYOUT, lease_seconds=60.0)

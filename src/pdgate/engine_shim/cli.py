@@ -202,6 +202,7 @@ def nixl_connector_factory(settings: ConnectorSettings) -> ConnectorFactory:
 
     def build(engine: Engine) -> ManagedConnector:
         from pdgate.engine_shim.connector import KVConnector
+        from pdgate.engine_shim.nixl_agent import nixl_agent_factory
 
         connector: ManagedConnector = KVConnector(
             engine_id=settings.engine_id,
@@ -216,6 +217,7 @@ def nixl_connector_factory(settings: ConnectorSettings) -> ConnectorFactory:
             transfer_timeout=settings.transfer_timeout,
             handshake_timeout=settings.handshake_timeout,
             probe_timeout=settings.probe_timeout,
+            agent_factory=nixl_agent_factory,
         )
         return connector
 

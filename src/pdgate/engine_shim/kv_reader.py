@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from pdgate.engine_shim.kv_layout import KVLayout, region_list
-from pdgate.engine_shim.nixl_agent import MemType, NixlAgent, PreppedList, Xfer
+from pdgate.engine_shim.nixl_agent import MemType, PreppedList, TransferAgent, Xfer
 from pdgate.engine_shim.side_channel import HandshakePayload
 from pdgate.engine_shim.transfer_errors import KVTransferError, NixlAgentError
 
@@ -71,7 +71,7 @@ def per_block_regions(layout: KVLayout, base_addr: int) -> list[tuple[int, int]]
 class BlockReader:
     """Owns the local descriptor list, the peers and the in-flight reads of one agent."""
 
-    def __init__(self, agent: NixlAgent, layout: KVLayout, base_addr: int, mem: str,
+    def __init__(self, agent: TransferAgent, layout: KVLayout, base_addr: int, mem: str,
                  device_id: int) -> None:
         self._agent = agent
         self._layout = layout

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, Protocol, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -56,6 +56,45 @@ class Xfer:
         self.handle = handle
         self.remote_agent = remote_agent
         self.nbytes = nbytes
+
+
+class TransferAgent(Protocol):
+    """What the connector and its block transfers use of an agent: `NixlAgent`, or a fake in
+    unit tests (the connector takes an `AgentFactory`). Semantics as in `NixlAgent`."""
+
+    name: str
+
+    def register(self, addr: int, length: int, mem_type: MemType, device_id: int) -> None: ...
+    def deregister(self) -> None: ...
+    def metadata(self) -> bytes: ...
+    def add_remote(self, metadata: bytes) -> str: ...
+    def remove_remote(self, agent_name: str) -> None: ...
+    def prep_local(self, regions: Regions, mem_type: MemType,
+                   device_id: int) -> PreppedList: ...
+    def prep_remote(self, agent_name: str, regions: Regions, mem_type: MemType,
+                    device_id: int) -> PreppedList: ...
+    def release_list(self, prepped: PreppedList) -> None: ...
+    def make_xfer(self, op: XferOp, local: PreppedList, local_idx: npt.NDArray[np.int32],
+                  remote: PreppedList, remote_idx: npt.NDArray[np.int32], notif: bytes,
+                  nbytes: int, *, merge: bool = True) -> Xfer: ...
+    def make_xfer_regions(self, op: XferOp, local: Regions, local_mem: MemType,
+                          local_dev: int, remote_agent: str, remote: Regions,
+                          remote_mem: MemType, remote_dev: int, notif: bytes) -> Xfer: ...
+    def post(self, xfer: Xfer) -> XferState: ...
+    def state(self, xfer: Xfer) -> XferState: ...
+    def release(self, xfer: Xfer) -> None: ...
+    def get_notifs(self) -> dict[str, list[bytes]]: ...
+    def send_notif(self, agent_name: str, message: bytes) -> None: ...
+
+
+AgentFactory = Callable[[str, bool], TransferAgent]
+"""Builds the agent named `name` (`vram`: it will register GPU memory); called once, on the
+connector's agent thread."""
+
+
+def nixl_agent_factory(name: str, vram: bool) -> TransferAgent:
+    """The production `AgentFactory`: a real NIXL agent."""
+    return NixlAgent(name, vram=vram)
 
 
 def _call(what: str, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:

@@ -70,13 +70,6 @@ FAKE_PROMPT_IDS = (101, 102, 103)
 FAKE_FIRST_TOKEN = 52
 
 @dataclass
-class FakeEngine:
-    """Configurable fake engine. Mutate the knobs between requests as a test needs."""
-
-    engine_id: str = "fake"
-    tokens: tuple[str, ...] = ("Hello", " world", "!")
-    return_kv_params: bool = True
-@dataclass
 class PushBoard:
     """Where vLLM push-mode fakes meet: P marks (its rank's engine id, request id) once it
     answered; a D leg naming that identity decodes only after the mark."""
@@ -87,6 +80,13 @@ class PushBoard:
         return self.landed.setdefault((engine_id, request_id), asyncio.Event())
 
 
+@dataclass
+class FakeEngine:
+    """Configurable fake engine. Mutate the knobs between requests as a test needs."""
+
+    engine_id: str = "fake"
+    tokens: tuple[str, ...] = ("Hello", " world", "!")
+    return_kv_params: bool = True
     fail_status: int | None = None  # answer completions with this status
     fail_message: str | None = None  # ... and this error message
     # As D: answer 500 to a decode carrying KV params, like vLLM when P died before D read
@@ -129,6 +129,9 @@ class PushBoard:
     honour_rank_header: bool = True
     failing_ranks: set[int] = field(default_factory=set)
     vllm_push: bool = False
+    push_board: PushBoard | None = None
+    push_wait_s: float = 10.0  # as D: how long a push leg waits for P's mark (then 500)
+    serve_metrics: bool = False  # GET /metrics as vLLM's: one `engine` label per DP rank
     _next_rank: int = 0
     url: str = ""
     _runner: web.AppRunner | None = None
@@ -136,8 +139,6 @@ class PushBoard:
     _sender: NotifySender | None = None
 
     async def _pause(self, seconds: float) -> None:
-    push_board: PushBoard | None = None
-    push_wait_s: float = 10.0  # as D: how long a push leg waits for P's mark (then 500)
         """Sleep, but wake at once when the engine stops (so teardown never waits)."""
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), seconds)
@@ -156,6 +157,8 @@ class PushBoard:
         app.router.add_post("/v1/completions", self._completion)
         app.router.add_post("/v1/chat/completions", self._completion)
         app.router.add_get("/health", self._health)
+        if self.serve_metrics:
+            app.router.add_get("/metrics", self._metrics)
         for method, path in VLLM_OTHER_ROUTES:
             app.router.add_route(method, path, self._other)
         if self.kv_endpoints:
@@ -257,6 +260,12 @@ class PushBoard:
         self.auth_seen.append((request.path, request.headers.get("Authorization")))
         return await handler(request)  # type: ignore[no-any-return]
 
+    async def _metrics(self, request: web.Request) -> web.Response:
+        lines = ["# TYPE vllm:num_requests_running gauge"] + [
+            f'vllm:num_requests_running{{model_name="tiny",engine="{r}"}} 0.0'
+            for r in range(self.dp_size)]
+        return web.Response(text="\n".join(lines) + "\n")
+
     async def _health(self, request: web.Request) -> web.Response:
         return web.json_response({}, status=self.health_status)
 
@@ -286,6 +295,9 @@ class PushBoard:
             err = {"error": {"message": self.fail_message or f"fake failure {status}",
                              "type": "X", "code": status}}
             return web.json_response(err, status=status)
+        if not rec.is_prefill and not await self._pushed_to(rec):
+            err = {"error": {"message": "pushed KV never landed", "type": "X", "code": 500}}
+            return web.json_response(err, status=500)
         if self.fail_kv_loads and not rec.is_prefill and "kv_transfer_params" in body:
             err = {"error": {"message": "KV load failed", "type": "X", "code": 500}}
             return web.json_response(err, status=500)
@@ -316,9 +328,6 @@ class PushBoard:
             "completion_tokens": 1,
             "total_tokens": PREFILL_PROMPT_TOKENS + 1,
             "prompt_tokens_details": {"cached_tokens": PREFILL_CACHED_TOKENS},
-        if not rec.is_prefill and not await self._pushed_to(rec):
-            err = {"error": {"message": "pushed KV never landed", "type": "X", "code": 500}}
-            return web.json_response(err, status=500)
         }
         if self.token_ids and rec.body.get("return_token_ids") and not chat:
             prompt = rec.body.get("prompt")
@@ -345,6 +354,16 @@ class PushBoard:
             "remote_port": 5601 + (rec.rank or 0),
             "tp_size": 1,
         }
+
+    async def _pushed_to(self, rec: Recorded) -> bool:
+        """As D with a push board: wait for the P that `rec` names to have answered."""
+        kv = rec.body.get("kv_transfer_params") or {}
+        if self.push_board is None or not kv.get("do_remote_prefill"):
+            return True
+        landed = self.push_board.event(str(kv.get("remote_engine_id")), _rid(rec))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(landed.wait(), self.push_wait_s)
+        return landed.is_set()
 
     def push_identity(self, rec: Recorded) -> dict[str, Any]:
         """As a vLLM NixlPushConnector P: the identity of the rank that served `rec`
@@ -379,16 +398,6 @@ class PushBoard:
             if opts.get("include_usage"):
                 final = {**_chunk(chat, None), "id": rid}
                 final["usage"] = _decode_usage(len(self.tokens))
-    async def _pushed_to(self, rec: Recorded) -> bool:
-        """As D with a push board: wait for the P that `rec` names to have answered."""
-        kv = rec.body.get("kv_transfer_params") or {}
-        if self.push_board is None or not kv.get("do_remote_prefill"):
-            return True
-        landed = self.push_board.event(str(kv.get("remote_engine_id")), _rid(rec))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(landed.wait(), self.push_wait_s)
-        return landed.is_set()
-
                 await _send(resp, final)
             await resp.write(b"data: [DONE]\n\n")
         except (ConnectionResetError, ConnectionError):
@@ -400,6 +409,10 @@ class PushBoard:
         self.finished_streams += 1
         await resp.write_eof()
         return resp
+
+
+def _rid(rec: Recorded) -> str:
+    return str(rec.headers.get("X-Request-Id"))
 
 
 async def _send(resp: web.StreamResponse, obj: dict[str, Any]) -> None:
@@ -432,10 +445,6 @@ def _chunk(chat: bool, token: str | None) -> dict[str, Any]:
         choices = [] if token is None else [
             {"index": 0, "delta": {"content": token}, "finish_reason": None}]
         return {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1,
-def _rid(rec: Recorded) -> str:
-    return str(rec.headers.get("X-Request-Id"))
-
-
                 "model": "tiny", "choices": choices}
     choices = [] if token is None else [{"index": 0, "text": token, "finish_reason": None}]
     return {"id": "cmpl-fake", "object": "text_completion", "created": 1, "model": "tiny",

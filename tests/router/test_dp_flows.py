@@ -209,3 +209,18 @@ async def test_kv_events_of_rank_1_route_its_prefix_to_rank_1(
         for s in socks:
             s.close(linger=0)
         ctx.term()
+
+
+async def test_dp_size_0_learns_the_ranks_from_the_engines_metrics(
+    make_engine: MakeEngine, start_router: StartRouter
+) -> None:
+    p = await make_engine(engine_id="P", dp_size=2, serve_metrics=True)
+    d = await make_engine(engine_id="D")  # no /metrics: stays one endpoint
+    router = await start_router([p], [d], prefill_dp_size=0, decode_dp_size=0)
+    answers = [await _post(router, i) for i in range(4)]
+    assert [r.rank for r in p.prefills] == [0, 1, 0, 1]
+    _assert_pinned([p])
+    assert all(RANK_HEADER not in r.headers for r in d.requests)
+    assert {a.headers["x-pdgate-prefill-engine"] for a in answers} == {
+        f"{p.url}@0", f"{p.url}@1"}
+    assert {a.headers["x-pdgate-decode-engine"] for a in answers} == {d.url}

@@ -5,15 +5,18 @@ identity cache per rank. Flows through a router: tests/router/test_dp_flows.py."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
 from pdgate.router.config import RouterConfig
+from pdgate.router.discovery import DP_SIZE_LABEL, ApiServer, PodWatcher, WatchSpec
 from pdgate.router.dp_ranks import (
     RANK_HEADER,
     dp_size_of_metrics,
@@ -35,6 +38,7 @@ from pdgate.router.policies.kv_events import (
 from pdgate.router.policies.prefix_index import PrefixIndex
 from pdgate.router.policies.scorers import PrefixScorer
 from pdgate.router.pool import Endpoint, EndpointPool
+from tests.router.test_discovery import NS, PREFILL, FakeApiServer, make_pod
 
 P_URL, D_URL = "http://p:8100", "http://d:8200"
 BS = 4
@@ -273,3 +277,37 @@ def _learn_per_rank(peers: PushPeers, p0: Endpoint, p1: Endpoint,
     assert peers.learn(p1, _answer("Pnew_dp1", 5601), id1) is Learned.CHANGED
     assert peers.identity(p1) == VllmIdentity("Pnew_dp1", "h", 5601)
     assert peers.rank_mismatches == 2
+
+
+# ---- discovery: the DP size of a pod's engine from its label ----
+
+
+async def test_a_pods_dp_size_label_makes_its_ranks_endpoints() -> None:
+    pool, _ = _pool(p_dp=1)
+    pool.remove(P_URL)
+    server = FakeApiServer()
+    await server.start()
+    labelled = make_pod("p0", "prefill", "10.0.0.1")
+    labelled["metadata"]["labels"][DP_SIZE_LABEL] = "2"
+    await server.put(labelled)
+    await server.put(make_pod("p1", "prefill", "10.0.0.2"))  # no label: the role's size
+    try:
+        async with httpx.AsyncClient() as session:
+            w = PodWatcher(session, ApiServer(server.url, NS),
+                           WatchSpec("prefill", PREFILL, 8100), pool)
+            task = asyncio.create_task(w.run())
+            try:
+                await asyncio.wait_for(w.synced.wait(), 10)
+                late = make_pod("p2", "prefill", "10.0.0.3")  # arrives through the watch
+                late["metadata"]["labels"][DP_SIZE_LABEL] = "3"
+                await server.put(late)
+                await _until(lambda: len(pool.endpoints("prefill")) == 6)
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+    finally:
+        await server.stop()
+    assert [ep.key for ep in pool.endpoints("prefill")] == [
+        "http://10.0.0.1:8100@0", "http://10.0.0.1:8100@1", "http://10.0.0.2:8100",
+        "http://10.0.0.3:8100@0", "http://10.0.0.3:8100@1", "http://10.0.0.3:8100@2"]

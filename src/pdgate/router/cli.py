@@ -54,7 +54,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("prefill_dp_size", int, "data-parallel ranks behind each prefill URL (vLLM "
                              "--data-parallel-size N, internal load balancing): each rank "
                              "is routed to as its own engine, pinned with "
-                             "X-data-parallel-rank"),
+                             "X-data-parallel-rank; 0: learn it from each engine's "
+                             "/metrics (vLLM's engine labels)"),
     ("decode_dp_size", int, "data-parallel ranks behind each decode URL (as "
                             "--prefill-dp-size)"),
     ("served_model_name", list, "model name clients may request (repeatable; "

@@ -57,7 +57,8 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     prefill: list[str] = []
     decode: list[str] = []
     # DP ranks behind each engine URL (vLLM --data-parallel-size with internal load
-    # balancing): each rank is routed as an endpoint of its own (router/dp_ranks.py).
+    # balancing): each rank is routed as an endpoint of its own (router/dp_ranks.py);
+    # 0: learn it from each engine's /metrics (router/dp_learn.py).
     prefill_dp_size: int = 1
     decode_dp_size: int = 1
     served_model_name: list[str] = []
@@ -247,8 +248,8 @@ def validate_config(config: RouterConfig, policy_names: frozenset[str]) -> Route
     _validate_notify(config)
     _validate_resilience(config)
     for field in ("prefill_dp_size", "decode_dp_size"):
-        if getattr(config, field) < 1:
-            raise ConfigError(f"{field}: must be >= 1")
+        if getattr(config, field) < 0:
+            raise ConfigError(f"{field}: must be >= 0 (0: learn it from the engine)")
     for field in ("prefill", "decode"):
         for url in getattr(config, field):
             if not url.startswith(("http://", "https://")):

@@ -35,11 +35,15 @@ import msgspec
 from pdgate.router.config import ConfigError, RouterConfig
 from pdgate.router.pool import EndpointPool, Role
 
-__all__ = ["ApiServer", "KubernetesDiscovery", "PodWatcher", "WatchSpec", "pod_url"]
+__all__ = ["DP_SIZE_LABEL", "ApiServer", "KubernetesDiscovery", "PodWatcher", "WatchSpec",
+           "pod_dp_size", "pod_url"]
 
 log = logging.getLogger(__name__)
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+# A pod label giving the number of DP ranks behind the pod's engine URL (vLLM
+# --data-parallel-size N with internal load balancing); absent: the role's --*-dp-size.
+DP_SIZE_LABEL = "pdgate.io/dp-size"
 _MAX_BACKOFF_S = 5.0
 
 
@@ -56,6 +60,7 @@ class _PodStatus(msgspec.Struct):
 
 class _ObjectMeta(msgspec.Struct):
     name: str = ""
+    labels: dict[str, str] = {}
     resourceVersion: str = ""  # noqa: N815
     deletionTimestamp: str | None = None  # noqa: N815
 
@@ -111,6 +116,19 @@ def pod_url(pod: _Pod, spec: WatchSpec) -> str | None:
         return None
     host = f"[{st.podIP}]" if ":" in st.podIP else st.podIP
     return f"{spec.scheme}://{host}:{spec.port}"
+
+
+def pod_dp_size(pod: _Pod) -> int | None:
+    """The pod's `DP_SIZE_LABEL` as a positive int; None when absent or malformed (the
+    role's default then applies; a malformed value is logged)."""
+    value = pod.metadata.labels.get(DP_SIZE_LABEL)
+    if value is None:
+        return None
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    log.warning("pod %s: label %s=%r is not a positive integer (ignored)",
+                pod.metadata.name, DP_SIZE_LABEL, value)
+    return None
 
 
 @dataclass(frozen=True)
@@ -207,15 +225,17 @@ class PodWatcher:
                 raise _ApiError(f"list pods: HTTP {resp.status}: {await resp.text()}")
             pods = msgspec.json.decode(await resp.read(), type=_PodList)
         desired = {}
+        ranks = {}
         for pod in pods.items:
             if (url := pod_url(pod, self._spec)) is not None:
                 desired[pod.metadata.name] = url
+                ranks[pod.metadata.name] = pod_dp_size(pod)
         for name in [n for n, url in self._known.items() if desired.get(n) != url]:
             self._forget(name)
         for name, url in desired.items():
             if name not in self._known:
                 self._known[name] = url
-                self._pool.add(url, self._spec.role)
+                self._pool.add(url, self._spec.role, dp_size=ranks[name])
         self._rv = pods.metadata.resourceVersion
         self.synced.set()
         log.info("%s pods listed: %d ready (resourceVersion %s)",
@@ -262,7 +282,7 @@ class PodWatcher:
                 self._forget(name)
             if url is not None:
                 self._known[name] = url
-                self._pool.add(url, self._spec.role)
+                self._pool.add(url, self._spec.role, dp_size=pod_dp_size(pod))
         self._rv = pod.metadata.resourceVersion
 
     def _forget(self, name: str) -> None:

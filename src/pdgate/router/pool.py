@@ -89,7 +89,8 @@ class EndpointPool:
 
     Role lists are replaced, never mutated in place, so a caller iterating a list it got
     earlier is never disturbed by a concurrent `add`/`remove`. `dp_size` is each role's
-    default number of DP ranks per engine URL (1: not data-parallel).
+    default number of DP ranks per engine URL (1: not data-parallel; 0: not known yet, one
+    endpoint until `resize`).
     """
 
     def __init__(
@@ -110,9 +111,8 @@ class EndpointPool:
 
     def _make_ranks(self, url: str, role: Role, dp_size: int | None) -> list[Endpoint]:
         """One endpoint per DP rank of `url` (one without a rank when its size is 1)."""
-        n = self._dp_size[role] if dp_size is None else dp_size
-        if n < 1:
-            raise ValueError(f"DP size of {url} must be >= 1, got {n}")
+        # 0: learn it from the engine (router/dp_learn.py); one endpoint until then.
+        n = max(1, self._dp_size[role] if dp_size is None else dp_size)
         ranks: list[int | None] = [None] if n == 1 else list(range(n))
         eps = []
         for rank in ranks:

@@ -314,6 +314,18 @@ class EngineClient:
             return False
         return 200 <= status < 300
 
+    async def metrics_page(self, url: str) -> bytes | None:
+        """`GET {url}/metrics` (its first MiB, within the health timeout); None when it
+        fails or is not 2xx. Read for a vLLM engine's DP size (router/dp_learn.py)."""
+        deadline = _deadline(self._cfg.health_timeout_s)
+        try:
+            resp = await self._pool.request("GET", url, "/metrics", None, {},
+                                            connect_deadline=deadline, deadline=deadline)
+            body = await _read_capped(resp, deadline, 1 << 20)
+        except (HTTPClientError, TimeoutError):
+            return None
+        return body if 200 <= resp.status < 300 else None
+
     async def _status_of(self, method: str, url: str, path: str, body: bytes | None,
                          headers: Mapping[str, str], timeout_s: float) -> int:
         """The status of one request whose body is read (capped) and dropped; every step

@@ -24,6 +24,7 @@ from pdgate.router.aborts import Aborter
 from pdgate.router.admission import Admission
 from pdgate.router.config import RouterConfig, validate_config
 from pdgate.router.discovery import KubernetesDiscovery
+from pdgate.router.dp_learn import open_dp_learning
 from pdgate.router.engines.client import EngineClient
 from pdgate.router.errors import RouterError
 from pdgate.router.flows.base import FlowParts
@@ -151,6 +152,7 @@ async def _serving_state(
         await pool.check_all(probe)
         if config.discovery == "k8s":
             await _start_discovery(config, pool, stack)
+        await open_dp_learning(config, pool, engines.metrics_page, stack)  # DP size 0
         checker = asyncio.create_task(pool.run_health_checks(probe, config.health_interval_s))
         stack.push_async_callback(_cancel, checker)
         routing = await open_routing(config, pool, metrics, stack)

@@ -36,8 +36,10 @@ googleapis-common-protos==1.76.0
 grpcio==1.85.3
 h11==0.16.0
 hf-xet==1.8.0
+httpcore==1.0.9
 httpcore2==2.16.2
 httptools==0.9.0
+httpx==0.28.1
 httpx2==2.16.2
 huggingface-hub==2.4.0
 idna==3.20
@@ -97,9 +99,10 @@ COPY src/pdgate/common ./src/pdgate/common
 # Only the router's packages are copied, so the wheel has no engine_shim and the image
 # cannot import torch or nixl even by accident (tests/deploy/test_wheel.py builds this list).
 # The otel extra (both OTLP exporters) is in both images: tracing is switched on by
-# configuration alone (common/tracing.py).
+# configuration alone (common/tracing.py). The hf extra (transformers) too: the router's
+# token-reading features (prefix-aware routing, notify/push modes) need it.
 RUN python -m venv /opt/pdgate \
- && /opt/pdgate/bin/pip install --constraint constraints-router.txt '.[otel]' \
+ && /opt/pdgate/bin/pip install --constraint constraints-router.txt '.[otel,hf]' \
  && /opt/pdgate/bin/python -c "import pdgate.router.http.app, pdgate.proxy; import importlib.util as u; \
 import opentelemetry.exporter.otlp.proto.grpc.trace_exporter, opentelemetry.exporter.otlp.proto.http.trace_exporter; \
 assert u.find_spec('torch') is None and u.find_spec('nixl') is None"
@@ -142,13 +145,13 @@ COPY src/pdgate/engine_shim ./src/pdgate/engine_shim
 COPY src/pdgate/proxy ./src/pdgate/proxy
 COPY src/pdgate/contract ./src/pdgate/contract
 COPY src/pdgate/common ./src/pdgate/common
-# torch from the CUDA 13 index; nixl-cu13 directly (the `nixl` meta package would pull the
-# CUDA 12 build too); then the project itself without re-resolving its `shim` extra.
+# torch from the CUDA 13 index first (the shim extra's range accepts it: no re-resolve),
+# then the project with its shim extra (nixl-cu13, not the `nixl` meta package that would
+# pull the CUDA 12 build too).
 RUN python3 -m venv /opt/pdgate \
  && /opt/pdgate/bin/pip install --index-url ${TORCH_INDEX_URL} torch==2.13.0 \
  && /opt/pdgate/bin/pip install --constraint constraints-shim.txt \
-        --constraint constraints-router.txt nixl-cu13 safetensors numpy '.[otel]' \
- && /opt/pdgate/bin/pip install --no-deps . \
+        --constraint constraints-router.txt '.[shim,otel]' \
  && rm -rf /src
 ENV PATH=/opt/pdgate/bin:$PATH \
     PYTHONUNBUFFERED=1 \

@@ -30,12 +30,15 @@ def _router_main(argv: list[str]) -> int:
 
 # The engine needs these; the router's install leaves them out (the `shim` extra).
 SHIM_MODULES = ("torch", "nixl", "safetensors", "numpy")
+# nixl: the meta package, or NIXL's CUDA 13 build alone (what the shim extra installs).
+_PROVIDERS = {"nixl": ("nixl", "nixl_cu13")}
 
 
 def missing_shim_modules() -> list[str]:
     from importlib.util import find_spec
 
-    return [name for name in SHIM_MODULES if find_spec(name) is None]
+    return [name for name in SHIM_MODULES
+            if all(find_spec(m) is None for m in _PROVIDERS.get(name, (name,)))]
 
 
 def _shim_extra_missing(command: str) -> int | None:

@@ -246,7 +246,7 @@ def test_pins_cover_and_satisfy_pyproject(
     shim_extra = {Requirement(s).name: Requirement(s) for s in
                   project["optional-dependencies"]["shim"]}
     assert shim_pins["torch"] in shim_extra["torch"].specifier
-    assert shim_pins["nixl-cu13"] in shim_extra["nixl"].specifier  # same NIXL release
+    assert shim_pins["nixl-cu13"] in shim_extra["nixl-cu13"].specifier  # same NIXL release
     for name in ("safetensors", "numpy"):
         assert shim_extra[name].specifier.contains(shim_pins[name])
     torch_runs = [i.args for i in stages["shim"].all("RUN") if "torch==" in i.args]
@@ -260,7 +260,7 @@ def test_both_images_install_the_otel_extra_pinned(
     """Tracing is switched on by configuration alone (both OTLP exporters in the image)."""
     _, stages = dockerfile
     installs = [i.args for i in stages[stage_name].all("RUN") if "pip install" in i.args]
-    assert any("'.[otel]'" in args for args in installs), installs
+    assert any(re.search(r"'\.\[[\w,]*\botel\b", args) for args in installs), installs
     router_pins = pins(heredoc(stages["router-build"], "constraints-router.txt"))
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     otel = [Requirement(s) for s in project["optional-dependencies"]["otel"]]

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-import aiohttp
+import httpx
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -195,7 +195,7 @@ async def pool() -> EndpointPool:
 async def watch(api: FakeApiServer, pool: EndpointPool) -> AsyncIterator[Watch]:
     """Start a PodWatcher task for a role (cancelled at teardown)."""
     tasks: list[asyncio.Task[None]] = []
-    async with aiohttp.ClientSession() as session:
+    async with httpx.AsyncClient() as session:
 
         def start(role: Role = "prefill", selector: str = PREFILL, **kw: Any) -> PodWatcher:
             w = PodWatcher(session, ApiServer(api.url, NS), WatchSpec(role, selector, 8100),

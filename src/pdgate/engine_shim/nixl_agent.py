@@ -115,6 +115,16 @@ def _descs(regions: Regions, device_id: int) -> npt.NDArray[np.uint64]:
     return out
 
 
+def _nixl_api() -> tuple[Any, Any]:
+    """nixl's agent API: from the `nixl` meta package, else from NIXL's CUDA 13 build
+    alone (what the shim extra installs: `nixl-cu13`, which the meta package only wraps)."""
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        from nixl_cu13._api import nixl_agent, nixl_agent_config
+    return nixl_agent, nixl_agent_config
+
+
 class NixlAgent:
     """One NIXL agent with the UCX backend and no progress thread (see module doc).
 
@@ -131,7 +141,7 @@ class NixlAgent:
             # on a host without CUDA, UCX warns about the unused variable at every start.
             os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "on")
         try:
-            from nixl._api import nixl_agent, nixl_agent_config
+            nixl_agent, nixl_agent_config = _nixl_api()
         except ImportError as e:
             raise NixlAgentError(f"nixl is not installed: {e}") from e
         fold_library_loggers()  # the import gave `nixl` a stdout handler of its own

@@ -301,8 +301,8 @@ _DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
 
 
 def _valid_host(host: str) -> bool:
-    # urlsplit accepts spaces and control characters in the host; aiohttp would then fail
-    # every request to it, so such an engine must never enter the pool.
+    # urlsplit accepts spaces and control characters in the host; the engine client would
+    # then fail every request to it, so such an engine must never enter the pool.
     try:
         ipaddress.ip_address(host)
         return True

@@ -1,7 +1,7 @@
 """Kubernetes engine discovery: keep the pool's engines equal to the ready pods by label.
 
-One `PodWatcher` per role does what a client-go reflector does, over plain HTTP (aiohttp,
-no kubernetes client library):
+One `PodWatcher` per role does what a client-go reflector does, over plain HTTP (httpx,
+the router's control-plane client; no kubernetes client library):
 
 1. LIST `/api/v1/namespaces/{ns}/pods?labelSelector=...` and reconcile: ready pods are
    `EndpointPool.add`ed, known pods that are gone or no longer ready are `drain`ed (they
@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
+import httpx
 import msgspec
 
 from pdgate.router.config import ConfigError, RouterConfig
@@ -94,7 +94,7 @@ class _ApiError(Exception):
     """The API server answered something other than what we asked for."""
 
 
-_TRANSIENT = (aiohttp.ClientError, TimeoutError, _ApiError, msgspec.DecodeError, OSError)
+_TRANSIENT = (httpx.HTTPError, TimeoutError, _ApiError, msgspec.DecodeError, OSError)
 
 
 @dataclass(frozen=True)
@@ -172,15 +172,13 @@ class PodWatcher:
     """
 
     def __init__(
-        self, session: aiohttp.ClientSession, api: ApiServer, spec: WatchSpec,
-        pool: EndpointPool, *, ssl_context: ssl.SSLContext | None = None,
-        watch_timeout_s: int = 300, backoff_s: float = 0.2,
+        self, client: httpx.AsyncClient, api: ApiServer, spec: WatchSpec,
+        pool: EndpointPool, *, watch_timeout_s: int = 300, backoff_s: float = 0.2,
     ) -> None:
-        self._session = session
+        self._client = client  # its TLS settings trust the API server's CA
         self._api = api
         self._spec = spec
         self._pool = pool
-        self._ssl: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
         self._watch_timeout_s = watch_timeout_s
         self._backoff_s = backoff_s
         self._rv: str | None = None
@@ -218,12 +216,11 @@ class PodWatcher:
 
     async def _relist(self) -> None:
         params = {"labelSelector": self._spec.selector}
-        timeout = aiohttp.ClientTimeout(total=30)
-        async with self._session.get(self._pods_path(), params=params, ssl=self._ssl,
-                                     headers=await self._headers(), timeout=timeout) as resp:
-            if resp.status != 200:
-                raise _ApiError(f"list pods: HTTP {resp.status}: {await resp.text()}")
-            pods = msgspec.json.decode(await resp.read(), type=_PodList)
+        resp = await self._client.get(self._pods_path(), params=params,
+                                      headers=await self._headers(), timeout=30)
+        if resp.status_code != 200:
+            raise _ApiError(f"list pods: HTTP {resp.status_code}: {resp.text[:500]}")
+        pods = msgspec.json.decode(resp.content, type=_PodList)
         desired = {}
         ranks = {}
         for pod in pods.items:
@@ -249,16 +246,16 @@ class PodWatcher:
         }
         # The server ends the stream after timeoutSeconds; a silent socket well past that
         # means a dead connection, so the read timeout gives it some slack.
-        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10,
-                                        sock_read=self._watch_timeout_s + 30)
-        async with self._session.get(self._pods_path(), params=params, ssl=self._ssl,
-                                     headers=await self._headers(), timeout=timeout) as resp:
-            if resp.status == 410:
+        timeout = httpx.Timeout(10, read=self._watch_timeout_s + 30)
+        async with self._client.stream("GET", self._pods_path(), params=params,
+                                       headers=await self._headers(), timeout=timeout) as resp:
+            if resp.status_code == 410:
                 raise _Expired()
-            if resp.status != 200:
-                raise _ApiError(f"watch pods: HTTP {resp.status}: {await resp.text()}")
+            if resp.status_code != 200:
+                await resp.aread()
+                raise _ApiError(f"watch pods: HTTP {resp.status_code}: {resp.text[:500]}")
             buffer = b""
-            async for chunk in resp.content.iter_any():
+            async for chunk in resp.aiter_bytes():
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
@@ -293,11 +290,11 @@ class PodWatcher:
 
 
 class KubernetesDiscovery:
-    """Both roles' watchers on one aiohttp session. Built and run by the app's lifespan:
+    """Both roles' watchers on one httpx client. Built and run by the app's lifespan:
     `open()`, then `run()` in a task (cancel it to stop), `close()` at shutdown."""
 
-    def __init__(self, session: aiohttp.ClientSession, watchers: Sequence[PodWatcher]):
-        self._session = session
+    def __init__(self, client: httpx.AsyncClient, watchers: Sequence[PodWatcher]):
+        self._client = client
         self.watchers = list(watchers)
 
     @classmethod
@@ -307,20 +304,22 @@ class KubernetesDiscovery:
     ) -> KubernetesDiscovery:
         """Resolve the API server (raises `ConfigError`) and build the watchers."""
         api = await asyncio.to_thread(ApiServer.resolve, config, environ)
-        ctx = None
+        verify: ssl.SSLContext | bool = True
         if api.ca_file is not None:
-            ctx = await asyncio.to_thread(ssl.create_default_context, cafile=str(api.ca_file))
-        session = aiohttp.ClientSession()
+            verify = await asyncio.to_thread(ssl.create_default_context,
+                                             cafile=str(api.ca_file))
+        # No proxy from the environment: the API server is reached directly, as before.
+        client = httpx.AsyncClient(verify=verify, trust_env=False)
         specs = (
             WatchSpec("prefill", config.prefill_selector, config.prefill_port,
                       config.engine_scheme),
             WatchSpec("decode", config.decode_selector, config.decode_port,
                       config.engine_scheme),
         )
-        watchers = [PodWatcher(session, api, spec, pool, ssl_context=ctx,
-                               watch_timeout_s=watch_timeout_s) for spec in specs]
+        watchers = [PodWatcher(client, api, spec, pool, watch_timeout_s=watch_timeout_s)
+                    for spec in specs]
         log.info("watching pods in namespace %s via %s", api.namespace, api.url)
-        return cls(session, watchers)
+        return cls(client, watchers)
 
     async def run(self) -> None:
         """Run every watcher until cancelled."""
@@ -336,5 +335,5 @@ class KubernetesDiscovery:
         return False
 
     async def close(self) -> None:
-        """Close the HTTP session (cancel `run()` first)."""
-        await self._session.close()
+        """Close the HTTP client (cancel `run()` first)."""
+        await self._client.aclose()

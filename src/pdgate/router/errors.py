@@ -1,8 +1,8 @@
 """The router's error tree and its one mapping to an OpenAI-style error body.
 
 Every failure the router reports to a client is a `RouterError`. Adapters translate foreign
-exceptions at their edge (aiohttp in `engines.py`, msgspec in `api.py`), so the rest of the
-code only ever sees this tree::
+exceptions at their edge (the engine client in `router/engines/error_map.py`, msgspec in
+`api.py`), so the rest of the code only ever sees this tree::
 
     RouterError                      (500 InternalServerError — only for bugs we caught)
     ├── InvalidRequest               400 BadRequestError / invalid_request_error

@@ -53,6 +53,11 @@ def open_tokenizer(config: RouterConfig, readers: list[str]) -> PromptTokenizer 
         return None
     try:
         return load_tokenizer(config.tokenizer_source, config.model, config.max_model_len)
+    except ImportError as exc:  # transformers is not in the core install: the hf extra
+        raise ConfigError(
+            f"tokenizer: {exc.name or 'transformers'} is not installed. A tokenizer is "
+            f"needed by {' and '.join(readers)}: install the hf extra "
+            "(pip install 'pdgate[hf]'), or configure none of these") from None
     except (OSError, ValueError) as exc:  # what transformers raises for a missing tokenizer
         reason = " ".join(str(exc).split())[:200] or type(exc).__name__
         raise ConfigError(

@@ -131,7 +131,7 @@ def _retry_or_raise(req: ClientRequest, failure: LegFailure, attempt: int, max_r
     excluded.of(failure.role).append(failure.ep)
     metrics.retries.labels(failure.role).inc()
     log.warning("request %s: %s leg failed on %s (%s); retrying on "
-                "another engine", req.request_id, failure.role, failure.ep.url,
+                "another engine", req.request_id, failure.role, failure.ep.key,
                 failure.error.message)
     return failure.error
 

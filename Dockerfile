@@ -109,10 +109,13 @@ assert u.find_spec('torch') is None and u.find_spec('nixl') is None"
 
 # ---------------------------------------------------------------- router: runtime image
 FROM ${PYTHON_IMAGE} AS router
+# The commit built (pdgate_build_info's commit label): --build-arg PDGATE_COMMIT=$(git rev-parse --short HEAD)
+ARG PDGATE_COMMIT=unknown
 RUN useradd --system --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin pdgate
 COPY --from=router-build /opt/pdgate /opt/pdgate
 ENV PATH=/opt/pdgate/bin:$PATH \
     PYTHONUNBUFFERED=1 \
+    PDGATE_COMMIT=${PDGATE_COMMIT} \
     HF_HOME=/tmp/hf \
     PDGATE_HEALTH_URL=http://127.0.0.1:8000/health
 USER 10001:10001
@@ -125,6 +128,7 @@ CMD ["--config", "/etc/pdgate/router.yaml", "--host", "0.0.0.0", "--port", "8000
 # ---------------------------------------------------------------- shim: CUDA engine image
 FROM ${CUDA_IMAGE} AS shim
 ARG TORCH_INDEX_URL
+ARG PDGATE_COMMIT=unknown
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
@@ -155,6 +159,7 @@ RUN python3 -m venv /opt/pdgate \
  && rm -rf /src
 ENV PATH=/opt/pdgate/bin:$PATH \
     PYTHONUNBUFFERED=1 \
+    PDGATE_COMMIT=${PDGATE_COMMIT} \
     HF_HOME=/home/pdgate/.cache/huggingface \
     PDGATE_HEALTH_URL=http://127.0.0.1:8100/health
 WORKDIR /home/pdgate

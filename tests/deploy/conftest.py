@@ -12,6 +12,7 @@ from tests.deploy.helm_render import CHART, Rendered, Renderer, build
 
 MONITORING = ("monitoring.coreos.com/v1",)
 VLLM_VALUES = CHART / "values-vllm.yaml"
+VLLM_PUSH_VALUES = CHART / "values-vllm-push.yaml"  # on top of VLLM_VALUES
 # Default values plus what a secured notify-mode release sets: client keys, notify mode.
 NOTIFY_OVERRIDES: dict[str, Any] = {
     "router": {"pdMode": "notify"},
@@ -38,6 +39,11 @@ def default(renderer: Renderer) -> Rendered:
 @pytest.fixture(scope="session")
 def vllm(renderer: Renderer) -> Rendered:
     return renderer.render(VLLM_VALUES, api_versions=MONITORING)
+
+
+@pytest.fixture(scope="session")
+def vllm_push(renderer: Renderer) -> Rendered:
+    return renderer.render(VLLM_VALUES, VLLM_PUSH_VALUES, api_versions=MONITORING)
 
 
 @pytest.fixture(scope="session")

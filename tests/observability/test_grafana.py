@@ -78,14 +78,30 @@ def test_vllm_queries_name_metrics_vllm_defines() -> None:
 
 
 def test_every_query_is_filtered_by_namespace_release_and_pod() -> None:
+    """Each filter matches series without the label too (the variables' "All" is `.*`, and
+    an absent label is the empty string): no query needs the chart's `release` relabelling,
+    or namespace and pod labels at all. The variables read series that exist from the
+    router's start (engine health, `up`), not counters that appear with the first request."""
     dashboard = json.loads(DASHBOARD.read_text())
-    variables = {v["name"] for v in dashboard["templating"]["list"]}
-    assert {"datasource", "namespace", "release", "pod"} <= variables
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert {"datasource", "namespace", "release", "pod"} <= variables.keys()
+    for name in ("namespace", "release", "pod"):
+        v = variables[name]
+        assert v["includeAll"] and v["allValue"] == ".*", name
+        assert re.match(r"label_values\((pdgate_engine_healthy|up)\b", v["query"]["query"]), v
     for q in queries():
         for selector in re.findall(r"(?:pdgate_\w+|vllm:\w+)\{([^}]*)\}", q):
-            assert 'namespace="$namespace"' in selector and 'release="$release"' in selector
+            assert 'namespace=~"$namespace"' in selector and 'release=~"$release"' in selector
             assert 'pod=~"$pod"' in selector
         assert len(re.findall(r"(?:pdgate_\w+|vllm:\w+)\{", q)) == len(SERIES.findall(q)), q
+
+
+def test_the_variables_series_are_there_before_the_first_request(cluster: Cluster) -> None:
+    """pdgate_engine_healthy has a sample per engine from the router's start (a counter
+    such as pdgate_requests_total has none until a request came)."""
+    text = httpx.get(cluster.router + "/metrics", timeout=10).text
+    healthy = re.findall(r"^pdgate_engine_healthy\{[^}]*\} ", text, re.M)
+    assert len(healthy) == len(cluster.prefill) + len(cluster.decode)
 
 
 def test_each_panel_has_one_unit_and_mixes_no_seconds_with_rates() -> None:

@@ -69,6 +69,34 @@ app.kubernetes.io/part-of: pdgate
 {{- end -}}
 {{- end -}}
 
+{{/* Does the router check client keys? Keys given, an existing Secret, or (neither, and
+anonymous access not allowed) a generated key. */}}
+{{- define "pdgate.clientKeys" -}}
+{{- if or .Values.apiKeys.keys .Values.apiKeys.existingSecret (not .Values.auth.allowAnonymous) -}}true{{- end -}}
+{{- end -}}
+
+{{/* vLLM's KV connector for the mode: pull reads (NixlConnector), push writes
+(NixlPushConnector). */}}
+{{- define "pdgate.vllmConnector" -}}
+{{- if eq .Values.router.pdMode "push" -}}NixlPushConnector{{- else -}}NixlConnector{{- end -}}
+{{- end -}}
+
+{{/* OTEL_* env of a pdgate or vLLM container when tracing is on (indent with nindent). */}}
+{{- define "pdgate.tracingEnv" -}}
+{{- with .Values.tracing -}}
+{{- if .endpoint }}
+- name: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL
+  value: {{ .protocol | quote }}
+- name: OTEL_TRACES_SAMPLER
+  value: {{ .sampler | quote }}
+{{- if .samplerArg }}
+- name: OTEL_TRACES_SAMPLER_ARG
+  value: {{ .samplerArg | quote }}
+{{- end }}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "pdgate.apiKeysSecret" -}}
 {{- default (printf "%s-api-keys" (include "pdgate.fullname" .)) .Values.apiKeys.existingSecret -}}
 {{- end -}}
@@ -94,15 +122,13 @@ secret, engine key). The file is named after the Secret key. */}}
 {{- define "pdgate.secretFiles" -}}
 {{- $v := .ctx.Values -}}
 {{- $files := list -}}
-{{- if and (eq .component "router") (or $v.apiKeys.keys $v.apiKeys.existingSecret) -}}
+{{- if and (eq .component "router") (include "pdgate.clientKeys" .ctx) -}}
 {{- $files = append $files (dict "env" "PDGATE_API_KEYS_FILE" "secret" (include "pdgate.apiKeysSecret" .ctx) "key" "api-keys") -}}
 {{- end -}}
 {{- if $v.notificationSecret.enabled -}}
 {{- $files = append $files (dict "env" "PDGATE_NOTIFY_SECRET_FILE" "secret" (include "pdgate.notifySecret" .ctx) "key" "notify-secret") -}}
 {{- end -}}
-{{- if $v.engineApiKey.enabled -}}
 {{- $files = append $files (dict "env" "PDGATE_ENGINE_API_KEY_FILE" "secret" (include "pdgate.engineKeySecret" .ctx) "key" "engine-api-key") -}}
-{{- end -}}
 {{- if and (eq .component "router") $v.adminApiKey.enabled -}}
 {{- $files = append $files (dict "env" "PDGATE_ADMIN_API_KEY_FILE" "secret" (include "pdgate.adminKeySecret" .ctx) "key" "admin-api-key") -}}
 {{- end -}}
@@ -165,6 +191,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if .Values.servedModelName -}}
 {{- $_ := set $cfg "served_model_name" .Values.servedModelName -}}
 {{- end -}}
+{{- if .Values.tracing.endpoint -}}
+{{- $_ := set $cfg "otlp_traces_endpoint" .Values.tracing.endpoint -}}
+{{- end -}}
 {{- if ne .Values.router.pdMode "pull" -}}
 {{- $_ := set $cfg "pd_mode" .Values.router.pdMode -}}
 {{- end -}}
@@ -220,8 +249,25 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if not (has .Values.router.pdMode (list "pull" "notify" "push")) -}}
 {{- fail (printf "router.pdMode: must be pull, notify or push, not %q" .Values.router.pdMode) -}}
 {{- end -}}
-{{- if and (eq .Values.engines.kind "vllm") (ne .Values.router.pdMode "pull") -}}
-{{- fail "router.pdMode: vLLM engines (NixlConnector) support pull only; notify and push need shim engines" -}}
+{{- if and (eq .Values.engines.kind "vllm") (eq .Values.router.pdMode "notify") -}}
+{{- fail "router.pdMode: vLLM engines support pull (NixlConnector) and push (NixlPushConnector); notify needs shim engines" -}}
+{{- end -}}
+{{- with .Values.engines.vllm.kvTransferConfig.kv_connector -}}
+{{- if and (eq $.Values.engines.kind "vllm") (ne . (include "pdgate.vllmConnector" $)) -}}
+{{- fail (printf "engines.vllm.kvTransferConfig.kv_connector: %s does not serve router.pdMode %s (leave it unset: the chart picks %s)" . $.Values.router.pdMode (include "pdgate.vllmConnector" $)) -}}
+{{- end -}}
+{{- end -}}
+{{- if hasKey .Values.engineApiKey "enabled" -}}
+{{- fail "engineApiKey.enabled: the engine key cannot be switched off (a shim on a pod IP refuses to start without one, and a vLLM engine without --api-key serves anyone); remove the setting" -}}
+{{- end -}}
+{{- if and .Values.engines.pdb.enabled (lt (int .Values.engines.pdb.maxUnavailable) 1) -}}
+{{- fail "engines.pdb.maxUnavailable: at least 1, or no engine could ever be evicted (drains would hang)" -}}
+{{- end -}}
+{{- if and .Values.prometheusRule.enabled (not (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1")) -}}
+{{- fail "prometheusRule.enabled: the cluster has no monitoring.coreos.com/v1 API (install the Prometheus operator first)" -}}
+{{- end -}}
+{{- if and .Values.tracing.endpoint (eq .Values.tracing.protocol "http/protobuf") (not (hasSuffix "/v1/traces" .Values.tracing.endpoint)) -}}
+{{- fail "tracing.endpoint: with protocol http/protobuf, give the full URL ending in /v1/traces" -}}
 {{- end -}}
 {{- if and (eq .Values.router.pdMode "notify") (not .Values.notificationSecret.enabled) -}}
 {{- fail "notificationSecret.enabled: notify mode needs the secret, or the router's KV-ready proxy accepts unsigned notices" -}}

@@ -3,6 +3,13 @@
 Children run in their own sessions so a Ctrl-C in the terminal reaches only this process,
 which then stops them in order (router first, so no request is routed to a dying engine)
 and waits for every PID it started. Their logs go to files so the console stays readable.
+
+Secure by default: the cluster gets an engine key of its own (generated, or
+`--engine-api-key`), which every engine requires and the router sends on its legs; it is
+written to `<log dir>/engine-api-key` (mode 0600) for whoever needs to reach an engine
+directly. `--api-key` makes the router require a client key too. Keys reach the children
+in their environment (PDGATE_ENGINE_API_KEY, PDGATE_API_KEY), never on a command line.
+`--allow-unauthenticated` starts the engines without a key (tests that call them directly).
 """
 
 from __future__ import annotations
@@ -10,6 +17,8 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -43,11 +52,13 @@ class Cluster:
     log_dir: Path
     children: list[Child] = field(default_factory=list)
 
-    def spawn(self, name: str, url: str, argv: list[str]) -> Child:
+    def spawn(self, name: str, url: str, argv: list[str],
+              env: dict[str, str] | None = None) -> Child:
         log = self.log_dir / f"{name}.log"
         with open(log, "wb") as out:
             proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+                argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                env=None if env is None else {**os.environ, **env},
             )
         child = Child(name, url, proc, log)
         self.children.append(child)
@@ -105,6 +116,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--notify-secret", default=None,
                    help="shared secret signing KV-ready notices (router and engines)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="client key the router requires on /v1/* (Authorization: Bearer "
+                   "KEY; at least 8 characters); default: the router serves anyone")
+    p.add_argument("--engine-api-key", default=None, metavar="KEY",
+                   help="the cluster's engine key (engines require it, the router sends it; "
+                   "at least 8 characters); default: a generated one, written to "
+                   "<log dir>/engine-api-key")
+    p.add_argument("--allow-unauthenticated", action="store_true",
+                   help="start the engines without an engine key: anyone who reaches their "
+                   "ports may use them, the internal /v1/kv/* and /debug/* routes included")
     p.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                    help="extra flag for the router, e.g. --router-arg=--kv-ready-timeout-s=5 "
                    "(repeatable)")
@@ -127,7 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-format", choices=["text", "json"], default="text",
                    help="log format of the router and the engines (their --log-format)")
     p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                   help="OpenTelemetry OTLP/HTTP traces URL for the router and the engines")
+                   help="OpenTelemetry OTLP traces endpoint for the router and the engines "
+                   "(OTLP/HTTP: the .../v1/traces URL; with OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+                   "=grpc: http://host:4317)")
     p.add_argument(
         "--startup-timeout", type=float, default=180.0,
         help="seconds to wait for every process to become ready",
@@ -159,6 +182,8 @@ def _engine_argv(args: argparse.Namespace, model: str, name: str, i: int) -> lis
         argv += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     if args.notify_secret:
         argv += ["--notify-secret", args.notify_secret]
+    if args.allow_unauthenticated and not _loopback(args.host):
+        argv.append("--allow-unauthenticated")
     extra: list[str] = args.engine_arg
     role_extra: list[str] = (args.prefill_engine_arg if name.startswith("prefill")
                              else args.decode_engine_arg)
@@ -181,6 +206,34 @@ def _router_argv(args: argparse.Namespace, model_dir: str, engines: list[Child])
         role = "--prefill" if child.name.startswith("prefill") else "--decode"
         argv += [role, child.url]
     return argv
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def cluster_keys(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, str]]:
+    """(engine env, router env): the keys each child gets in its environment. The engine
+    key is `--engine-api-key` or generated (none with `--allow-unauthenticated`)."""
+    engine: dict[str, str] = {}
+    router: dict[str, str] = {}
+    if not args.allow_unauthenticated:
+        key = args.engine_api_key or secrets.token_urlsafe(32)
+        engine["PDGATE_ENGINE_API_KEY"] = router["PDGATE_ENGINE_API_KEY"] = key
+    if args.api_key:
+        router["PDGATE_API_KEY"] = args.api_key
+    return engine, router
+
+
+def _write_engine_key(log_dir: Path, engine_env: dict[str, str]) -> Path | None:
+    key = engine_env.get("PDGATE_ENGINE_API_KEY")
+    if key is None:
+        return None
+    path = log_dir / "engine-api-key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(key)
+    return path
 
 
 def _served_name(args: argparse.Namespace) -> str:
@@ -210,11 +263,13 @@ def _resolve_model(args: argparse.Namespace) -> str:
     return str(ensure_tiny_model())
 
 
-def _http_json(url: str, body: dict[str, object] | None = None, timeout: float = 5.0) -> tuple[
-    int, dict[str, object], dict[str, str]
-]:
+def _http_json(url: str, body: dict[str, object] | None = None, timeout: float = 5.0,
+               key: str | None = None) -> tuple[int, dict[str, object], dict[str, str]]:
     data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, headers=headers)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read() or b"{}"), dict(resp.headers)
@@ -259,7 +314,8 @@ def run_demo(args: argparse.Namespace, router_url: str, engines: list[Child]) ->
     before = sum(_kv_read_bytes(c.url) for c in decoders)
     body = {"model": _served_name(args), "prompt": DEMO_PROMPT, "max_tokens": 16,
             "temperature": 0}
-    status, reply, headers = _http_json(router_url + "/v1/completions", body, timeout=60.0)
+    status, reply, headers = _http_json(router_url + "/v1/completions", body, timeout=60.0,
+                                        key=args.api_key)
     moved = sum(_kv_read_bytes(c.url) for c in decoders) - before
     if status != 200:
         print(f"sample request failed: HTTP {status}: {reply}", flush=True)
@@ -279,9 +335,10 @@ def run_demo(args: argparse.Namespace, router_url: str, engines: list[Child]) ->
 
 def _print_curl(args: argparse.Namespace, router_url: str) -> None:
     body = json.dumps({"model": _served_name(args), "prompt": "Hello", "max_tokens": 16})
+    auth = " -H 'Authorization: Bearer <your --api-key>'" if args.api_key else ""
     print(
         f"\nrouter serving on {router_url}; try:\n"
-        f"  curl -s {router_url}/v1/completions -H 'Content-Type: application/json' "
+        f"  curl -s {router_url}/v1/completions -H 'Content-Type: application/json'{auth} "
         f"-d '{body}'\nCtrl-C stops the cluster.",
         flush=True,
     )
@@ -292,12 +349,18 @@ def start_cluster(args: argparse.Namespace, cluster: Cluster) -> str:
     roles = [("prefill", n) for n in range(args.prefill)] + [
         ("decode", n) for n in range(args.decode)
     ]
+    engine_env, router_env = cluster_keys(args)
+    key_file = _write_engine_key(cluster.log_dir, engine_env)
+    if key_file is not None:
+        print(f"engine key      : {key_file} (engines serve only the router)", flush=True)
     engines = []
     for i, (role, n) in enumerate(roles):
         name, url = f"{role}-{n}", f"http://{args.host}:{args.engine_port_base + i}"
-        engines.append(cluster.spawn(name, url, _engine_argv(args, model_dir, name, i)))
+        engines.append(cluster.spawn(name, url, _engine_argv(args, model_dir, name, i),
+                                     engine_env))
     router_url = f"http://{args.host}:{args.port}"
-    router = cluster.spawn("router", router_url, _router_argv(args, model_dir, engines))
+    router = cluster.spawn("router", router_url, _router_argv(args, model_dir, engines),
+                           router_env)
     deadline = time.monotonic() + args.startup_timeout
     for child in engines:
         _wait_ready(cluster, child, "/health", deadline)
@@ -327,6 +390,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill < 1 or args.decode < 1:
         print("pdgate up: need at least one prefill and one decode engine", file=sys.stderr)
         return 2
+    for flag, key in (("--api-key", args.api_key), ("--engine-api-key", args.engine_api_key)):
+        if key is not None and len(key) < 8:
+            print(f"pdgate up: {flag}: use at least 8 characters", file=sys.stderr)
+            return 2
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdgate-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(log_dir)

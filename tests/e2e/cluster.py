@@ -103,7 +103,7 @@ class Cluster:
 
 def start_cluster(tmp: Path, model_dir: Path, *, prefill: int = 1, decode: int = 1,
                   block_size: int = 4, demo: bool = False, extra: list[str] | None = None,
-                  timeout: float = 180.0) -> Cluster:
+                  timeout: float = 180.0, engine_key: bool = False) -> Cluster:
     n = prefill + decode
     base = free_port_range(2 * n + 1)
     router_port, engine_base, side_base = base, base + 1, base + 1 + n
@@ -116,6 +116,8 @@ def start_cluster(tmp: Path, model_dir: Path, *, prefill: int = 1, decode: int =
             *(extra or [])]
     if not demo:
         argv.append("--no-demo")
+    if not engine_key:  # the tests call engines directly; `pdgate up` keys them by default
+        argv.append("--allow-unauthenticated")
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     urls = [f"http://127.0.0.1:{engine_base + i}" for i in range(n)]

@@ -131,7 +131,7 @@ DECODERS = {"msgspec.json.decode", "msgspec.json.Decoder", "msgspec.convert",
 REPLY_FIELDS = {"choices", "usage", "kv_transfer_params", "prompt_token_ids", "token_ids",
                 "finish_reason", "engine_id", "block_ids", "reservation_id",
                 "first_token_ids", "landed_tokens", "pdgate_mode", "remote_num_tokens",
-                "message", "text"}
+                "completion_tokens", "message", "text"}
 
 
 def _dotted(node: ast.AST) -> str:

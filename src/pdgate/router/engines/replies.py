@@ -34,7 +34,8 @@ from pdgate.router.errors import EngineProtocolError
 
 __all__ = ["AnswerMismatch", "PrefillReply", "PrefillUsage", "check_answer_id",
            "check_reply", "decode_kv_info", "decode_prefill", "decode_reservation",
-           "names_other_request", "rewrite_reply_usage", "rewrite_usage"]
+           "names_other_request", "rewrite_continuation_usage", "rewrite_reply_usage",
+           "rewrite_usage"]
 
 _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
@@ -237,6 +238,21 @@ def rewrite_usage(usage: dict[str, Any], prefill: PrefillUsage) -> None:
     completion = usage.get("completion_tokens")
     completion = completion if isinstance(completion, int) else 0
     usage["total_tokens"] = prefill.prompt_tokens + completion
+
+
+def rewrite_continuation_usage(usage: dict[str, Any], prefill: PrefillUsage | None,
+                               prompt_ids: int, tokens: int) -> None:
+    """A decode usage object billed as the client's request when D continued after P's
+    `tokens` with the prompt given as `prompt_ids` ids plus those tokens: the prompt as P
+    counted it (else the ids), P's tokens among the completion tokens."""
+    completion = usage.get("completion_tokens")
+    completion = (completion if isinstance(completion, int) else 0) + tokens
+    prompt = prefill.prompt_tokens if prefill is not None else prompt_ids
+    usage["prompt_tokens"] = prompt
+    usage["completion_tokens"] = completion
+    usage["total_tokens"] = prompt + completion
+    if prefill is not None:
+        usage["prompt_tokens_details"] = prefill.prompt_tokens_details
 
 
 def rewrite_reply_usage(raw: bytes, usage: PrefillUsage) -> bytes:

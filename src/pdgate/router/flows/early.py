@@ -31,7 +31,11 @@ from typing import Any, Protocol
 
 import msgspec
 
-from pdgate.router.engines.replies import PrefillReply, PrefillUsage
+from pdgate.router.engines.replies import (
+    PrefillReply,
+    PrefillUsage,
+    rewrite_continuation_usage,
+)
 from pdgate.router.input.schema import ClientRequest
 
 __all__ = ["ASK_TOKEN_IDS", "MAX_TOKEN_CHARS", "EarlyStream", "FirstToken", "FirstTokenCheck",
@@ -182,14 +186,7 @@ def continuation(body: Mapping[str, Any], first: FirstToken) -> dict[str, Any]:
 def bill(usage: dict[str, Any], first: FirstToken, prefill: PrefillUsage | None) -> None:
     """D's usage object made the client's when D was given P's token as prompt: the
     prompt as P counted it, P's token among the completion tokens."""
-    completion = usage.get("completion_tokens")
-    completion = (completion if isinstance(completion, int) else 0) + len(first.token_ids)
-    prompt = prefill.prompt_tokens if prefill is not None else len(first.prompt_ids)
-    usage["prompt_tokens"] = prompt
-    usage["completion_tokens"] = completion
-    usage["total_tokens"] = prompt + completion
-    if prefill is not None:
-        usage["prompt_tokens_details"] = prefill.prompt_tokens_details
+    rewrite_continuation_usage(usage, prefill, len(first.prompt_ids), len(first.token_ids))
 
 
 def head_chunks(first: FirstToken, chat: bool, include_usage: bool) -> bytes:

@@ -1,4 +1,4 @@
-"""Notify mode's early first token (router/flows/early_token.py) against recording fake engines:
+"""Notify mode's early first token (router/flows/early.py) against recording fake engines:
 the client's stream opens with P's token, D is asked to continue after it, and requests
 whose first token could differ on D keep the plain flow."""
 

@@ -127,8 +127,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # this long; the reaper runs this often.
     notify_ttl_s: float = 60.0
     notify_reap_interval_s: float = 1.0
-    # Stream P's first token to the client as soon as P answers (router/flows/early_token.py;
-    # pull: router/flows/pull_early.py).
+    # Stream P's first token to the client as soon as P answers (router/flows/early.py).
     early_first_token: bool = True
     # Resilience. Admission: requests served at once, requests waiting for a slot
     # (beyond both: 429), and how long one may wait. Secrets: Bearer keys for the OpenAI

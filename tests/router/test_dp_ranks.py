@@ -15,7 +15,8 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from pdgate.router.config import RouterConfig
+from pdgate.router.cli import config_from_args
+from pdgate.router.config import ConfigError, RouterConfig, validate_config
 from pdgate.router.discovery import DP_SIZE_LABEL, ApiServer, PodWatcher, WatchSpec
 from pdgate.router.dp_ranks import (
     RANK_HEADER,
@@ -311,3 +312,14 @@ async def test_a_pods_dp_size_label_makes_its_ranks_endpoints() -> None:
     assert [ep.key for ep in pool.endpoints("prefill")] == [
         "http://10.0.0.1:8100@0", "http://10.0.0.1:8100@1", "http://10.0.0.2:8100",
         "http://10.0.0.3:8100@0", "http://10.0.0.3:8100@1", "http://10.0.0.3:8100@2"]
+
+
+def test_dp_size_flags_and_vllm_routers_spelling() -> None:
+    base = ["--model", "m", "--prefill", "http://p:1", "--decode", "http://d:2"]
+    config = config_from_args([*base, "--prefill-dp-size", "4", "--decode-dp-size", "0"])
+    assert (config.prefill_dp_size, config.decode_dp_size) == (4, 0)
+    config = config_from_args([*base, "--intra-node-data-parallel-size", "2"])
+    assert (config.prefill_dp_size, config.decode_dp_size) == (2, 2)
+    with pytest.raises(ConfigError, match="prefill_dp_size"):
+        validate_config(RouterConfig(model="m", prefill=["http://p:1"], decode=["http://d:2"],
+                                     prefill_dp_size=-1), frozenset({"round-robin"}))

@@ -105,8 +105,9 @@ VLLM_FLAGS: tuple[VllmFlag, ...] = (
        convert=_secs("startup_wait_s")),
     _F("--worker-startup-check-interval", "ignored", (),
        "engines are probed every 0.2 s until first ready, then every --health-interval-s"),
-    _F("--intra-node-data-parallel-size", "refused", (),
-       "data-parallel ranks behind one URL are not addressed separately", accepts=("1",)),
+    _F("--intra-node-data-parallel-size", "mapped", ("--prefill-dp-size", "--decode-dp-size"),
+       "DP ranks behind each engine URL, each routed to as an engine of its own (legs "
+       "pinned with X-data-parallel-rank)", convert=_to("prefill_dp_size", "decode_dp_size")),
     _F("--backend", "refused", (), "vLLM engines only", accepts=("vllm",)),
     _F("--runtime", "refused", (), "vLLM engines only", accepts=("vllm",)),
     _F("--mini-lb", "refused", (), "no Python debug load balancer", nargs=0),

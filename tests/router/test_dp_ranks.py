@@ -323,3 +323,19 @@ def test_dp_size_flags_and_vllm_routers_spelling() -> None:
     with pytest.raises(ConfigError, match="prefill_dp_size"):
         validate_config(RouterConfig(model="m", prefill=["http://p:1"], decode=["http://d:2"],
                                      prefill_dp_size=-1), frozenset({"round-robin"}))
+
+
+async def test_a_dp_engine_held_as_one_endpoint_gets_one_hint(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pool, metrics = _pool(p_dp=1)
+    [p] = pool.endpoints("prefill")
+    engines = EngineClient.create(RouterConfig(model="m"))
+    try:
+        peers = PushPeers(KVInfoCache(engines), metrics)
+        for rank in (0, 1, 0):
+            peers.learn(p, _answer(f"P_dp{rank}", 5600 + rank), peers.identity(p))
+    finally:
+        await engines.close()
+    hints = [r for r in caplog.records if "--prefill-dp-size" in r.getMessage()]
+    assert len(hints) == 1 and peers.rank_mismatches == 0

@@ -136,6 +136,7 @@ class PushPeers:
         self._vllm: dict[str, VllmIdentity | None] = {}  # key -> identity; None: unknown
         self._pull: set[str] = set()  # keys that answered as pull-mode engines
         self.rank_mismatches = 0  # answers that named a sibling DP rank's identity
+        self._dp_hinted: set[str] = set()  # URLs told to set --prefill-dp-size
 
     def pull_only(self, ep: Endpoint) -> bool:
         """True once `ep` answered as a pull-mode vLLM engine (its requests run pull)."""
@@ -179,6 +180,11 @@ class PushPeers:
         """True (counted, logged) when `identity` is another DP rank's of `ep`'s engine:
         the engine ran the prefill on a rank other than the one the leg was pinned to."""
         if ep.rank is None:
+            if _DP_SUFFIX.search(identity.engine_id) and ep.url not in self._dp_hinted:
+                self._dp_hinted.add(ep.url)  # once per engine: every answer may say so
+                log.warning("prefill engine %s answers as a data-parallel vLLM engine (%s): "
+                            "without --prefill-dp-size its ranks take turns and push legs "
+                            "are sent twice when they differ", ep.url, identity.engine_id)
             return False
         prefix = f"{ep.url}@"
         sibling = next((k for k, known in self._vllm.items()

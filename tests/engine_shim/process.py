@@ -20,6 +20,12 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = "tiny"
 
 
+def _base_env() -> dict[str, str]:
+    """PATH, and PYTHONPATH when set (a test run against another source tree)."""
+    return {k: v for k in ("PATH", "PYTHONPATH")
+            if (v := os.environ.get(k, "/usr/bin:/bin" if k == "PATH" else ""))}
+
+
 @dataclass
 class ShimProcess:
     url: str
@@ -56,7 +62,7 @@ def shim_process(model_dir: Path, *extra: str, host: str = "127.0.0.1",
     err = None if stderr is None else stderr.open("wb")
     proc = subprocess.Popen(
         shim_argv(model_dir, port, "--host", host, *extra), cwd=ROOT, stderr=err,
-        env={"PATH": os.environ.get("PATH", "/usr/bin:/bin"), **(env or {})},
+        env={**_base_env(), **(env or {})},
     )
     url = f"http://127.0.0.1:{port}"
     try:

@@ -225,9 +225,11 @@ class Engine:
 
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """Token ids of `text` (any thread: a fast tokenizer's Rust backend is thread-safe,
-        the Python wrapper around it is not)."""
+        the Python wrapper around it is not). `encode_batch`, not `encode`: only the batch
+        call lets go of the GIL, so the event loop runs while a worker thread encodes."""
         if self._backend is not None:
-            return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+            batch = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+            return list(batch[0].ids)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     async def encode_async(self, text: str, *, add_special_tokens: bool) -> list[int]:

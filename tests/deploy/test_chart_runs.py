@@ -4,11 +4,13 @@ Deployments' rendered args and env (secrets from the rendered Secrets, the pod I
 `pdgate shim`, overriding only where they listen, the model (the tiny built-in one on the
 CPU) and the engine URLs (static instead of pod discovery).
 
-Two renders: default values with notify mode and client keys (shim engines), and
-values-vllm.yaml (pull mode; shims stand in for vLLM, given the key the vLLM pods get as
-VLLM_API_KEY). Then: clients need one of the chart's keys; engines take only the router's
-key; unsigned or badly signed KV-ready notices are dropped by the router's proxy; /dashboard
-and /admin need the admin key; every probe the chart declares answers without credentials.
+Four renders: default values with notify mode and client keys (shim engines); default
+values with nothing set ("nokey": the chart generates the client key); values-vllm.yaml
+(pull mode) and values-vllm.yaml + values-vllm-push.yaml (push mode), where shims stand in
+for vLLM, given the key the vLLM pods get as VLLM_API_KEY. Then: clients need one of the
+chart's keys; engines take only the router's key; unsigned or badly signed KV-ready notices
+are dropped by the router's proxy; /dashboard and /admin need the admin key; every probe the
+chart declares answers without credentials.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ import yaml
 import zmq
 
 from pdgate.proxy.wire import KVReady, to_frames
-from tests.deploy.conftest import MONITORING, NOTIFY_OVERRIDES, VLLM_VALUES, write_values
+from tests.deploy.conftest import (
+    MONITORING,
+    NOTIFY_OVERRIDES,
+    VLLM_PUSH_VALUES,
+    VLLM_VALUES,
+    write_values,
+)
 from tests.deploy.helm_render import ROOT, Rendered, Renderer
 from tests.deploy.pods import Container, realize, secret_value
 
@@ -116,7 +124,7 @@ def start(name: str, entrypoint: list[str], c: Container, overrides: list[str], 
 class Deployment:
     """A rendered release running here: router + one prefill and one decode engine."""
 
-    mode: str  # "notify" (shim engines) or "vllm" (pull; shims stand in for vLLM)
+    mode: str  # notify / nokey (shim engines), vllm / vllm-push (shims stand in for vLLM)
     rendered: Rendered
     router: Proc
     engines: list[Proc]
@@ -168,7 +176,7 @@ def launch(mode: str, r: Rendered, tmp: Path, tiny: Path) -> Deployment:
     try:
         for role in ("prefill", "decode"):
             port, side = free_port(), free_port()
-            if mode == "vllm":
+            if mode.startswith("vllm"):
                 # vLLM pods get the engine key as VLLM_API_KEY; a shim stands in for vLLM
                 # with that key (its PDGATE_ENGINE_API_KEY), serving the same model names.
                 vllm_dep = r.one("Deployment", f"-{role}")
@@ -209,12 +217,16 @@ def launch(mode: str, r: Rendered, tmp: Path, tiny: Path) -> Deployment:
         notify_endpoint, model)
 
 
-@pytest.fixture(scope="module", params=["notify", "vllm"])
+@pytest.fixture(scope="module", params=["notify", "nokey", "vllm", "vllm-push"])
 def deployment(request: pytest.FixtureRequest, renderer: Renderer, tiny_model_dir: Path,
                tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
     tmp = tmp_path_factory.mktemp(f"release-{request.param}")
     if request.param == "vllm":
         r = renderer.render(VLLM_VALUES, api_versions=MONITORING)
+    elif request.param == "vllm-push":
+        r = renderer.render(VLLM_VALUES, VLLM_PUSH_VALUES, api_versions=MONITORING)
+    elif request.param == "nokey":
+        r = renderer.render()  # no client key configured: the chart generates one
     else:
         r = renderer.render(write_values(tmp, NOTIFY_OVERRIDES))
     d = launch(request.param, r, tmp, tiny_model_dir)
@@ -318,7 +330,7 @@ def test_probes_and_metrics_answer_without_credentials(deployment: Deployment) -
     d = deployment
     for p in [d.router, *d.engines]:
         probes = p.container.probes
-        if d.mode == "vllm" and p is not d.router:
+        if d.mode.startswith("vllm") and p is not d.router:
             vllm = d.rendered.one("Deployment", f"-{p.name}")["spec"]["template"]["spec"]
             probes = {k: v for k, v in vllm["containers"][0].items() if k.endswith("Probe")}
         assert {"readinessProbe", "livenessProbe"} <= set(probes), p.name

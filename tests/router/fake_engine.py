@@ -105,6 +105,7 @@ class FakeEngine:
     kv_endpoints: bool = True
     kv_ready: str = "ok"
     kv_ready_delay_s: float = 0.0  # the notice trails P's reply by this much
+    reply_after_notice_s: float = 0.0  # as P: the reply trails the notice by this much
     push_params: bool = True
     first_token_ids: list[int] | None = None  # as P: put in the reply's pdgate params
     # As P: answer `return_token_ids` as vLLM does (the pull flow's early first token).
@@ -303,7 +304,10 @@ class FakeEngine:
             return web.json_response(err, status=500)
         chat = request.path.endswith("/chat/completions")
         if rec.is_prefill:
-            return web.json_response(self._prefill_reply(rec, chat))
+            reply = self._prefill_reply(rec, chat)
+            if self.reply_after_notice_s:
+                await self._pause(self.reply_after_notice_s)
+            return web.json_response(reply)
         kv = body.get("kv_transfer_params") or {}
         if body.get("stream") and self.fail_continuations and kv.get("continue_after_prefill"):
             err = {"error": {"message": "no token from the prefill engine", "type": "X",

@@ -284,7 +284,8 @@ class NotifyFlow:
                 await wait
                 await asyncio.wait({leg.task}, timeout=_REPLY_AFTER_KV_S)
         except BaseException:
-            wait.cancel()  # frees D's reservation and P's side (`_failed`)
+            # E.g. the client left while P's reply trailed its KV-ready notice.
+            self._drop_wait(wait, d_ep, req.request_id)
             raise
         reply = leg.reply()
         assert self.early is not None
@@ -301,17 +302,23 @@ class NotifyFlow:
             return stream.chunks()
 
         def on_close(source: EarlyStream) -> None:
-            if not wait.done():
-                wait.cancel()  # frees D's reservation and P's side (`_failed`)
-            elif not source.finished and not wait.cancelled() and wait.exception() is None:
-                # KV landed but the decode leg never claimed it, or was cut before D
-                # admitted it: D would hold the reservation until it expires.
-                self.aborter.abort(d_ep.url, rid)
+            if not source.finished:
+                self._drop_wait(wait, d_ep, rid)
 
         head = head_chunks(token, req.kind == "chat", req.wants_usage_chunks)
         source = EarlyStream(head, rest, on_close)
         chunks = relay(source, leg, o.metrics, t0, MODE, True, req.wants_usage_chunks)
         return StreamResult(chunks, source.close)
+
+    def _drop_wait(self, wait: asyncio.Future[_Leg], d_ep: Endpoint, rid: str) -> None:
+        """No decode leg will claim D's reservation (the client left): a KV-ready wait still
+        running is cancelled (`_failed` frees D's reservation and P's side); one that ended
+        in KV-ready left the KV in D's reservation, which D would hold until it expires
+        (cancelling a finished wait does nothing): D is told to free it now."""
+        if not wait.done():
+            wait.cancel()
+        elif not wait.cancelled() and wait.exception() is None:
+            self.aborter.abort(d_ep.url, rid)
 
     async def _continue_params(self, req: ClientRequest, wait: asyncio.Future[_Leg],
                                ids: list[int]) -> dict[str, Any]:

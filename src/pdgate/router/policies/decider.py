@@ -7,6 +7,8 @@ the orchestrator counts every answer in `pdgate_disagg_decisions_total{reason}`.
 |-------------------|--------|-------------------------------------------------------------|
 | `n_gt_1`          | no     | `n > 1` (one set of P blocks cannot feed several children)  |
 | `batch_prompt`    | no     | a list of several prompts                                   |
+| `prompt_logprobs` | no     | `prompt_logprobs`, or `echo` with `logprobs`: the prompt's  |
+|                   |        | logprobs come only from an engine that computes the prompt  |
 | `short_prompt`    | no     | fewer prompt tokens than `--disagg-min-tokens`              |
 | `decode_has_prefix` | no   | a healthy decode engine already holds at least             |
 |                   |        | `--disagg-prefix-ratio` of the prompt (prefix index)        |
@@ -47,11 +49,16 @@ class Decider(Protocol):
 
 def decide(req: ClientRequest) -> Decision:
     """The rules every decider applies first: `n > 1` and batch prompts go straight to a
-    decode engine (one set of P blocks must never be shared by several decode children)."""
+    decode engine (one set of P blocks must never be shared by several decode children),
+    and so do requests for the prompt's logprobs (D loads the prompt's KV instead of
+    computing the prompt, so it has none to give; vLLM 0.32's P stalled on them)."""
     if req.n > 1:
         return Decision(False, "n_gt_1")
     if req.batch:
         return Decision(False, "batch_prompt")
+    body = req.body
+    if body.get("prompt_logprobs") or (body.get("echo") and body.get("logprobs")):
+        return Decision(False, "prompt_logprobs")
     return Decision(True, "disagg")
 
 

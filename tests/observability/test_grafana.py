@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.cluster import ROOT, Cluster
+from tests.observability.promtool import promtool
 from tests.vllm.venv import venv_dir
 
 pytestmark = pytest.mark.slow
@@ -112,3 +117,56 @@ def test_each_panel_has_one_unit_and_mixes_no_seconds_with_rates() -> None:
         exprs = [t["expr"] for t in panel["targets"]]
         if unit == "s":  # latencies only: no per-second counts on a seconds axis
             assert all(e.startswith("histogram_quantile(") for e in exprs), panel["title"]
+
+
+def _series_line(sample: Any, job: str) -> str:
+    labels = {**sample.labels, "job": job, "instance": f"{job}:80"}
+    body = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    return f"{sample.name}{{{body}}}"
+
+
+def test_queries_evaluate_on_a_scrape_without_any_relabelling(
+    cluster: Cluster, tmp_path: Path,
+) -> None:
+    """Every pdgate query of the dashboard, its variables at their default (All), returns
+    data from the series a real router and real shims expose, as any Prometheus scrape
+    stores them (job and instance only: no namespace, pod or release label). promtool
+    evaluates each one as an alert that fires when the query returns anything."""
+    series: dict[str, str] = {}
+    names: set[str] = set()
+    for job, url in (("router", cluster.router), ("prefill", cluster.prefill[0]),
+                     ("decode", cluster.decode[0])):
+        text = httpx.get(url + "/metrics", timeout=10).text
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name.endswith("_created") or s.value != s.value:  # NaN
+                    continue
+                names.add(s.name)
+                grows = family.type in ("counter", "histogram", "summary")
+                # Counters grow over the test window, so every rate() has something to show.
+                series[_series_line(s, job)] = (f"0+{max(s.value, 1.0)}x10" if grows
+                                                else f"{s.value}x10")
+    rules: list[dict[str, Any]] = []
+    tests: list[dict[str, Any]] = []
+    for i, query in enumerate(queries()):
+        used = set(SERIES.findall(query))
+        if not used or any(not s.startswith("pdgate_") for s in used):
+            continue  # vLLM's series: not in this cluster
+        if not used <= names:
+            continue  # a series with no sample yet (nothing happened that it counts)
+        expr = (query.replace("$namespace", ".*").replace("$release", ".*")
+                .replace("$pod", ".*").replace("$__rate_interval", "2m"))
+        rules.append({"alert": f"q{i}", "expr": f"count({expr}) > 0",
+                      "labels": {"severity": "none"}})
+        tests.append({"eval_time": "10m", "alertname": f"q{i}",
+                      "exp_alerts": [{"exp_labels": {"severity": "none"}}]})
+    assert len(rules) >= 15, f"only {len(rules)} queries evaluated"
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(
+        {"groups": [{"name": "dashboard", "rules": rules}]}))
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({
+        "rule_files": ["rules.yaml"], "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "alert_rule_test": tests, "input_series": [
+            {"series": k, "values": v} for k, v in series.items()]}]}))
+    out = subprocess.run([promtool(), "test", "rules", "test.yaml"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]

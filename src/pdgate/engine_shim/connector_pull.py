@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 
@@ -38,6 +39,12 @@ class PullSide:
         self._link = link
         self._metrics = link.metrics
         self._leases = LeaseTable(lease_seconds)
+        # Request ids aborted lately, with when to forget them (monotonic; one span for all,
+        # so in expiry order): an abort can overtake its prefill's hand-over (the router
+        # gave up while P was finishing; the hand-over's staging copy or digest runs in a
+        # thread), and the lease taken after it would pin the blocks until it expired.
+        self._aborted: OrderedDict[str, float] = OrderedDict()
+        self._aborted_span = lease_seconds
         self._transfer_timeout = transfer_timeout
         self._free_blocks = free_blocks
         self._side_channel = side_channel
@@ -45,7 +52,12 @@ class PullSide:
     # -- P side ---------------------------------------------------------------------------
     def hold(self, request_id: str, block_ids: list[int]) -> dict[str, object]:
         """Pin `block_ids` (now owned by the lease) for a remote reader; the prefill reply's
-        `kv_transfer_params` (vLLM NixlConnector fields)."""
+        `kv_transfer_params` (vLLM NixlConnector fields). Raises KVTransferError for a
+        request aborted before its blocks came (the caller keeps and frees them)."""
+        self._forget_aborted()
+        if request_id in self._aborted:
+            raise KVTransferError(f"request {request_id} was aborted before its KV was "
+                                  "handed over", reason="aborted")
         lease = self._leases.add(request_id, block_ids)
         self._metrics.blocks_leased.set(self._leases.blocks)
         self._link.thread.wake()  # the reader's READ needs our UCX progress soon
@@ -56,8 +68,17 @@ class PullSide:
         )
 
     def release_request(self, request_id: str) -> None:
-        """Free every lease `request_id` holds now (router abort, failed decode leg)."""
+        """Free every lease `request_id` holds now (router abort, failed decode leg), and
+        refuse one it asks for within the lease span."""
+        self._forget_aborted()
+        self._aborted[request_id] = time.monotonic() + self._aborted_span
+        self._aborted.move_to_end(request_id)
         self._release(self._leases.pop_request(request_id), None)
+
+    def _forget_aborted(self) -> None:
+        now = time.monotonic()
+        while self._aborted and next(iter(self._aborted.values())) <= now:
+            self._aborted.popitem(last=False)
 
     def read_done(self, lease_id: str) -> None:
         """Agent thread: the reader's `done` notice frees its lease."""

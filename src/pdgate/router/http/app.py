@@ -46,6 +46,7 @@ from pdgate.router.policies import POLICY_NAMES
 from pdgate.router.policies.setup import check_routing, open_routing
 from pdgate.router.pool import Endpoint, EndpointPool
 from pdgate.router.tracing import UNTRACED, TracingMiddleware, TracingSlot, finish_span
+from pdgate.router.worker_metrics import pod_registry, publish_forever, remove_published
 
 __all__ = ["create_app"]
 
@@ -72,18 +73,23 @@ def create_app(
         tokenizer = open_tokenizer(config, readers)
     tracing = TracingSlot(config, os.environ)  # off unless configured (router/tracing.py)
     holder = StateHolder()
+    # A --workers worker's scrape shows every worker of the pod (router/worker_metrics.py).
+    registry = registry or pod_registry(os.environ) or RouterMetrics.registry()
 
     @contextlib.asynccontextmanager
     async def lifespan() -> AsyncIterator[None]:
         async with tracing.running(), _serving_state(
-                config, registry or RouterMetrics.registry(), tokenizer, bool(readers)) as st:
+                config, registry, tokenizer, bool(readers)) as st:
             holder.set(st)
             log.info("serving on the %s event loop", _loop_name())
             sampler = asyncio.create_task(dashboard.sample_forever())  # its rate history
+            publisher = asyncio.create_task(publish_forever(registry))
             try:
                 yield
             finally:
                 await _cancel(sampler)
+                await _cancel(publisher)
+                remove_published(registry)
                 holder.set(None)
 
     # Every route the router serves is declared in this one table (router/http/routes.py);

@@ -14,8 +14,10 @@ What is per worker:
 - KV-ready proxy (notify mode): worker i binds `notify_bind`'s port + i (port 0: each gets
   a free port) and advertises its own endpoint in its own requests, so a prefill engine's
   notice reaches the worker that waits for it.
-- `/metrics`: the counters of the worker that answered the scrape; the response header
-  `X-Pdgate-Worker` says which one served a request (index 0..N-1).
+- `/metrics`: every worker's series, each labelled `worker="<index>"` (each worker
+  publishes its own to a directory the supervisor made; router/worker_metrics.py), so one
+  scrape shows the whole pod; the response header `X-Pdgate-Worker` says which one served
+  a request (index 0..N-1).
 
 Supervision: SIGTERM/SIGINT to the parent stop every worker gracefully (each gets SIGTERM
 and `shutdown_timeout_s` to finish its requests, then SIGKILL) and the parent exits 0. A
@@ -29,16 +31,20 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
 import msgspec
 
 from pdgate.router.config import RouterConfig
+from pdgate.router.worker_metrics import DIR_ENV, INDEX_ENV
 
 __all__ = ["run_workers", "split_limit", "worker_config"]
 
@@ -95,10 +101,11 @@ class _Worker:
 
 
 class _Supervisor:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, metrics_dir: str) -> None:
         self._config = config
         self._workers = [_Worker(i) for i in range(config.workers)]
         self._stopping = False
+        self._metrics_dir = metrics_dir
 
     def request_stop(self, signum: int, _frame: object) -> None:
         self._stopping = True
@@ -107,7 +114,8 @@ class _Supervisor:
         body = msgspec.json.encode(worker_config(self._config, w.index))
         w.proc = subprocess.Popen(
             [sys.executable, "-m", "pdgate.router.http.workers", str(w.index)],
-            stdin=subprocess.PIPE)
+            stdin=subprocess.PIPE,
+            env={**os.environ, DIR_ENV: self._metrics_dir, INDEX_ENV: str(w.index)})
         assert w.proc.stdin is not None
         w.proc.stdin.write(body)
         w.proc.stdin.close()
@@ -162,7 +170,8 @@ def run_workers(config: RouterConfig) -> int:
     # keeps another user's process from taking the port while a worker restarts.
     reserved = listen_socket(config.host, config.port)
     config = msgspec.structs.replace(config, port=reserved.getsockname()[1])
-    supervisor = _Supervisor(config)
+    metrics_dir = tempfile.mkdtemp(prefix="pdgate-worker-metrics-")
+    supervisor = _Supervisor(config, metrics_dir)
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, supervisor.request_stop)
     log.info("serving on %s:%d with %d workers", config.host, config.port, config.workers)
@@ -170,6 +179,7 @@ def run_workers(config: RouterConfig) -> int:
         return supervisor.run()
     finally:
         reserved.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
 def _die_with_parent() -> None:

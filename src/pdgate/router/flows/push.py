@@ -234,6 +234,10 @@ class PushFlow:
                 stream = await watch.run(opening)
         except BaseException:
             stack.close()
+            if opening.done() and not opening.cancelled() and opening.exception() is None:
+                # Opened just as this leg was given up (the client left): cancelling the
+                # finished task did nothing, so close D's stream here.
+                opening.result().close()
             raise
         stack.callback(stream.close)  # closing it also tells D to drop its registration
         return stream, stack

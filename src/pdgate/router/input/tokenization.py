@@ -109,7 +109,8 @@ class PromptTokenizer:
     async def encode_text(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """Token ids of `text` (`add_special_tokens=False` for rendered chat prompts: the
         template already wrote BOS and friends)."""
-        ids: list[int] = await self._run(len(text), self._encode, text, add_special_tokens)
+        ids: list[int] = await self._run(len(text), self._encode, text, add_special_tokens,
+                                          len(text) > THREAD_THRESHOLD_CHARS)
         return ids
 
     async def encode_chat(
@@ -193,9 +194,17 @@ class PromptTokenizer:
         full: str = decode([*before, *ids], skip_special_tokens=True)
         return full[len(head):] if full.startswith(head) else full
 
-    def _encode(self, text: str, special: bool) -> list[int]:
+    def _encode(self, text: str, special: bool, off_loop: bool = False) -> list[int]:
+        """Token ids of `text`. Off the loop through `encode_batch`: the Rust backend's
+        `encode` holds the GIL for the whole call (the event loop would freeze behind the
+        worker thread), its batch call lets go of it."""
+        backend = self._backend
         try:
-            ids: list[int] = self._backend.encode(text, add_special_tokens=special).ids
+            if off_loop:
+                batch = backend.encode_batch([text], add_special_tokens=special)
+                ids: list[int] = list(batch[0].ids)
+            else:
+                ids = backend.encode(text, add_special_tokens=special).ids
         except TypeError:
             # The Rust backend refuses str it cannot make UTF-8 (lone surrogates).
             if _is_utf8(text):

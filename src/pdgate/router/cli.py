@@ -8,10 +8,7 @@ Precedence, later wins: defaults < `--config` YAML < `PDGATE_*` environment vari
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import signal
-import socket
 import sys
 from collections.abc import Sequence
 from typing import Any, Literal, get_args
@@ -21,7 +18,6 @@ import msgspec
 from pdgate.router import __version__
 from pdgate.router.cli_vllm import add_vllm_router_flags, prefill_urls, vllm_router_overrides
 from pdgate.router.config import ConfigError, RouterConfig, load_config
-from pdgate.router.logs import setup_logging
 from pdgate.router.settings_env import env_overrides
 
 __all__ = ["build_parser", "main"]
@@ -340,83 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"pdgate router: error: {exc}", file=sys.stderr)
         return 2
+    from pdgate.router.http.server import serve, setup_process_logging
+
     if config.workers > 1:
         from pdgate.router.http.workers import run_workers
 
-        _setup_logging(config)
+        setup_process_logging(config)
         return run_workers(config)  # each worker builds its own app
     return serve(config, app=app)
-
-
-def _setup_logging(config: RouterConfig) -> None:
-    setup_logging(config.log_level, config.log_format)  # uvicorn's loggers folded in
-
-
-def serve(config: RouterConfig, *, app: Any = None, sock: socket.socket | None = None,
-          worker: int | None = None) -> int:
-    """Serve `config` until SIGINT/SIGTERM: on `config.host`/`config.port`, or on `sock`
-    (bound, not yet listening: a `--workers` worker's SO_REUSEPORT socket). `worker` is that
-    worker's index, sent back in the `X-Pdgate-Worker` response header. `app`: the router
-    app already built for `config` (default: build it here)."""
-    import uvicorn
-
-    from pdgate.router.http.app import create_app
-    from pdgate.router.http.client_deadlines import header_deadline_protocol
-
-    _setup_logging(config)
-    if app is None:
-        app = create_app(config)
-    if worker is not None:
-        app = _WorkerHeader(app, worker)
-    # uvicorn re-raises the SIGINT/SIGTERM it caught once its graceful shutdown is done,
-    # restoring the handlers it found first; these make that re-raise a no-op, so a
-    # requested shutdown exits 0 instead of dying by signal or with a KeyboardInterrupt.
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: None)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=config.host, port=config.port, loop="auto",
-        http=header_deadline_protocol(config.header_timeout_s,
-                                      config.max_pending_connections),
-        timeout_graceful_shutdown=int(config.shutdown_timeout_s + 0.999),
-        log_level=config.log_level, access_log=False, log_config=None,
-        # Nothing in the router reads the client address or scheme that uvicorn's proxy
-        # headers middleware rewrites: it would be one more layer on every request.
-        proxy_headers=False,
-    ))
-    _quiet_gc()
-    # asyncio's create_server listens on `sock` once the lifespan is up: until then the
-    # kernel sends this port's connections to the workers already serving.
-    server.run(sockets=None if sock is None else [sock])
-    return 0
-
-
-def _quiet_gc() -> None:
-    """Fewer, cheaper garbage collections in a serving process: everything built so far
-    (modules, the app, its config) is frozen out of the collector's scans, and the young
-    generation is collected every 20,000 allocations instead of 700. A request allocates
-    thousands of short-lived objects that reference counting frees; at the default
-    threshold the collector ran several times per request and its full passes showed up
-    as p99 stalls."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
-
-
-class _WorkerHeader:
-    """ASGI wrapper adding `X-Pdgate-Worker: <index>` to every HTTP response."""
-
-    def __init__(self, app: Any, index: int) -> None:
-        self._app = app
-        self._header = (b"x-pdgate-worker", str(index).encode())
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self._app(scope, receive, send)
-            return
-
-        async def add_header(message: Any) -> None:
-            if message["type"] == "http.response.start":
-                message = {**message, "headers": [*message.get("headers", ()), self._header]}
-            await send(message)
-
-        await self._app(scope, receive, add_header)

@@ -191,7 +191,7 @@ def worker_main(index: int) -> int:
     """One worker: read its config from stdin, serve on the shared port."""
     _die_with_parent()
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=RouterConfig)
-    from pdgate.router.cli import serve  # the same serving path as a single-process router
+    from pdgate.router.http.server import serve  # the single-process serving path
 
     sock = listen_socket(config.host, config.port)
     return serve(config, sock=sock, worker=index)

@@ -338,9 +338,20 @@ def bench_request(lists: Lists, op: XferOp, tokens: int) -> dict[str, Any]:
     return row
 
 
+def nixl_version() -> str:
+    """The installed NIXL distribution's version: `nixl` (the meta package), or the
+    `nixl-cu13`/`nixl-cu12` build alone (the shim extra installs nixl-cu13)."""
+    for name in ("nixl", "nixl-cu13", "nixl-cu12"):
+        try:
+            return f"{metadata.version(name)} ({name})"
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
 def environment(s: Setup) -> dict[str, Any]:
     env: dict[str, Any] = {
-        "torch": torch.__version__, "nixl": metadata.version("nixl"),
+        "torch": torch.__version__, "nixl": nixl_version(),
         "ucx_env": {k: v for k, v in os.environ.items() if k.startswith("UCX_")},
         "python": sys.version.split()[0],
     }

@@ -245,6 +245,10 @@ class _SpyBackend:
         self.encoded.append(len(text))
         return self.inner.encode(text, **kw)
 
+    def encode_batch(self, texts: list[str], **kw: Any) -> Any:
+        self.encoded.extend(len(text) for text in texts)
+        return self.inner.encode_batch(texts, **kw)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 

@@ -46,8 +46,9 @@ from tests.vllm.test_vllm_pd import IGNORE_EOS, acomplete, client, complete, kv_
 # Coordinator process failed to report ZMQ addresses within timeout=120 seconds"); on the
 # quiet machine the DP 2 engine started (its /metrics showed both ranks) but the pull
 # test's decode leg timed out (504 after the router's decode deadline); the
-# push test's answers all equalled colocated (its relay then read header names with the
-# wrong case, fixed since). PDGATE_VLLM_DP=1 runs it anyway.
+# push test's answers all equalled colocated in one run (its relay then read header names
+# with the wrong case, fixed since) and its warm-up decode leg timed out in the next.
+# PDGATE_VLLM_DP=1 runs it anyway.
 _ENOUGH_CORES = (os.cpu_count() or 1) >= 4 or os.environ.get("PDGATE_VLLM_DP") == "1"
 pytestmark = [
     pytest.mark.vllm, pytest.mark.timeout(1500),

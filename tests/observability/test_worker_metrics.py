@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -72,13 +73,16 @@ def _requests_by_worker(text: str) -> dict[str, float]:
 
 
 def test_every_scrape_shows_the_whole_pod(router: str) -> None:
-    answered: set[str] = set()
-    for _ in range(REQUESTS):
+    def one(_: int) -> str:
         with httpx.Client() as client:  # a new connection each: both workers get some
-            reply = client.post(router + "/v1/completions", timeout=30, json={
+            reply = client.post(router + "/v1/completions", timeout=60, json={
                 "model": "tiny", "prompt": "Hello", "max_tokens": 2})
             assert reply.status_code == 503, reply.text
-            answered.add(reply.headers["x-pdgate-worker"])
+            return reply.headers["x-pdgate-worker"]
+
+    # At once: each 503 waits out the router's wait for a ready engine.
+    with ThreadPoolExecutor(REQUESTS) as pool:
+        answered = set(pool.map(one, range(REQUESTS)))
     assert answered == {"0", "1"}
     time.sleep(2.5)  # each worker publishes its series every second
     scraped_by: set[str] = set()

@@ -41,18 +41,21 @@ answered another request (the app counts them)."""
 
 
 def first_event_id(lines: bytes) -> tuple[bool, object]:
-    """(found, id) of the first data event in whole SSE `lines`; found False: none yet."""
-    for line in lines.split(b"\n"):
-        if not line.startswith(b"data:"):
-            continue
-        payload = line[5:].strip()
-        if payload == b"[DONE]":
-            return True, None
-        try:
-            return True, _decode_event_id(payload).id
-        except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
-            return True, None  # the checker already refused what is not JSON
-    return False, None
+    """(found, id) of the first data event in whole SSE `lines`; found False: none yet.
+    Looks only as far as that event (the first read often holds the whole stream)."""
+    at = lines.find(b"data:")
+    while at > 0 and lines[at - 1] != 0x0A:  # not at a line start: look further
+        at = lines.find(b"data:", at + 5)
+    if at < 0:
+        return False, None
+    end = lines.find(b"\n", at)
+    payload = lines[at + 5:end if end >= 0 else len(lines)].strip()
+    if payload == b"[DONE]":
+        return True, None
+    try:
+        return True, _decode_event_id(payload).id
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
+        return True, None  # the checker already refused what is not JSON
 
 
 StreamListener = Callable[[str, RouterError | None], None]

@@ -43,6 +43,11 @@ _METAVARS = {
 # (field, type, help). Lists are repeatable flags; the default is appended to the help.
 _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("model", str, "model directory or hub name: tokenizer source and default served name"),
+    ("models", "json", "several models, each with its own engines, pd_mode and policies: a "
+                       "JSON list of model objects (usually `models:` in the --config YAML; "
+                       "docs/configuration.md); the other model flags then stay unset"),
+    ("load_on_demand", bool, "LoRA adapters: the router may load an adapter the chosen "
+                             "engines lack (per model under `models`)"),
     ("prefill", list, "prefill engine base URL, e.g. http://10.0.0.1:8100 (repeatable); "
                       "vllm-router's `URL BOOTSTRAP_PORT` or `URL none` is accepted (the port "
                       "is ignored: pdgate's KV handshake needs none)"),
@@ -64,7 +69,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                            "config.json or the tokenizer)"),
     ("pd_mode", str, "disaggregation flow: pull (vLLM NixlConnector: D READs P's KV); "
                      "notify (P WRITEs into D's reserved blocks, tells this router's proxy); "
-                     "push (both legs at once; D registers its blocks with P)"),
+                     "push (both legs at once; D registers its blocks with P); colocated "
+                     "(no prefill pool: each request runs whole on a decode engine)"),
     ("prefill_policy", str, "how to pick a prefill engine: round-robin, least-inflight, "
                             "power-of-two, random, session, consistent-hash, prefix-aware, "
                             "prefix-text, kv-events, or vllm-router's names (params: YAML "
@@ -198,7 +204,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
 
 # --help sections, in order; every field is in exactly one (a test checks).
 _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("engines", ("model", "prefill", "decode", "prefill_dp_size", "decode_dp_size",
+    ("engines", ("model", "models", "load_on_demand", "prefill", "decode", "prefill_dp_size",
+                 "decode_dp_size",
                  "served_model_name", "engine_model_name",
                  "tokenizer", "max_model_len", "discovery", "namespace", "prefill_selector",
                  "decode_selector", "prefill_port", "decode_port", "engine_scheme",
@@ -272,6 +279,8 @@ def _add_flag(group: argparse._ArgumentGroup, field: str, typ: Any, text: str) -
         group.add_argument(flag, action="append", nargs=nargs, metavar=metavar, help=text)
     elif typ is list:
         group.add_argument(flag, action="append", metavar=metavar, help=text)
+    elif typ == "json":
+        group.add_argument(flag, type=_json_list, metavar="JSON", help=text)
     elif typ is bool:
         group.add_argument(flag, action=argparse.BooleanOptionalAction, help=text)
     else:
@@ -295,6 +304,16 @@ def _metavar(field: str, typ: Any) -> str:
     if typ is float:
         return "SECONDS" if field.endswith("_s") else "X"
     return "VALUE"
+
+
+def _json_list(value: str) -> list[Any]:
+    try:
+        found = msgspec.json.decode(value)
+    except msgspec.DecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(found, list):
+        raise argparse.ArgumentTypeError("expected a JSON list of model objects")
+    return found
 
 
 def _log_level(value: str) -> str:

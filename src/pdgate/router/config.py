@@ -7,22 +7,25 @@ fields are an error naming the field, so a typo never silently falls back to a d
 
 from __future__ import annotations
 
-import ipaddress
 import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import msgspec
+
+from pdgate.router.engine_urls import engine_url_problem
 
 __all__ = [
     "REQUEST_ID_HEADERS",
     "ConfigError",
+    "ModelConfig",
+    "PdMode",
     "PolicySpec",
     "RouterConfig",
     "engine_url_problem",
     "load_config",
+    "model_configs",
     "validate_config",
 ]
 
@@ -45,6 +48,46 @@ class PolicySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     params: dict[str, Any] = {}
 
 
+PdMode = Literal["pull", "notify", "push", "colocated"]
+"""How a model's requests run: the three P/D flows, or `colocated` (decode pool only: every
+request runs whole on one decode engine, no prefill pool)."""
+
+
+class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One model of a router serving several (`models:` in the YAML file).
+
+    The fields mean what the top-level `RouterConfig` fields of the same name mean, for this
+    model only; one left out takes the top-level value (policies, decider thresholds, pd_mode,
+    discovery ports...). The model's own names, tokenizer and engines are never inherited:
+    with `models:` the top level sets none of them (router/model_configs.py).
+    `load_on_demand`: LoRA adapters of this model may be loaded on the chosen engines.
+    """
+
+    model: str
+    served_model_name: list[str] = []
+    engine_model_name: str | None = None
+    tokenizer: str | None = None
+    max_model_len: int | None = None
+    prefill: list[str] = []
+    decode: list[str] = []
+    prefill_selector: str = ""
+    decode_selector: str = ""
+    load_on_demand: bool = False
+    prefill_dp_size: int | msgspec.UnsetType = msgspec.UNSET
+    decode_dp_size: int | msgspec.UnsetType = msgspec.UNSET
+    prefill_port: int | msgspec.UnsetType = msgspec.UNSET
+    decode_port: int | msgspec.UnsetType = msgspec.UNSET
+    pd_mode: PdMode | msgspec.UnsetType = msgspec.UNSET
+    prefill_policy: str | PolicySpec | msgspec.UnsetType = msgspec.UNSET
+    decode_policy: str | PolicySpec | msgspec.UnsetType = msgspec.UNSET
+    passthrough_role: Literal["decode", "prefill"] | msgspec.UnsetType = msgspec.UNSET
+    disagg_min_tokens: int | msgspec.UnsetType = msgspec.UNSET
+    disagg_prefix_ratio: float | None | msgspec.UnsetType = msgspec.UNSET
+    early_first_token: bool | msgspec.UnsetType = msgspec.UNSET
+    kv_events: list[str] | msgspec.UnsetType = msgspec.UNSET
+    prefix_block_size: int | msgspec.UnsetType = msgspec.UNSET
+
+
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
     """Everything one router process needs. Times are seconds, sizes bytes.
 
@@ -53,7 +96,12 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     lists the names `/v1/models` reports and requests may ask for.
     """
 
-    model: str
+    model: str = ""  # required unless `models` is given (load_config says so)
+    # Several models, each with its own pools, mode and policies (router/model_configs.py);
+    # empty: the one model the fields below describe.
+    models: list[ModelConfig] = []
+    # LoRA adapters of the model may be loaded on the engines chosen for a request.
+    load_on_demand: bool = False
     prefill: list[str] = []
     decode: list[str] = []
     # DP ranks behind each engine URL (vLLM --data-parallel-size with internal load
@@ -67,7 +115,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     engine_model_name: str | None = None
     tokenizer: str | None = None
     max_model_len: int | None = None
-    pd_mode: Literal["pull", "notify", "push"] = "pull"
+    pd_mode: PdMode = "pull"
     prefill_policy: str | PolicySpec = "round-robin"
     decode_policy: str | PolicySpec = "least-inflight"
     # Which pool serves the pass-through routes (embeddings, tokenize, ...: one engine, no
@@ -240,8 +288,14 @@ def validate_config(config: RouterConfig, policy_names: frozenset[str]) -> Route
     """Check cross-field rules the struct types cannot express; return `config` unchanged.
 
     `policy_names` is the set of registered policy types (passed in so this module does not
-    import the policies). Raises `ConfigError` naming the offending field.
+    import the policies). Raises `ConfigError` naming the offending field (and the model,
+    for a field of one of `models`).
     """
+    if config.models:
+        _validate_models(config, policy_names)
+        return config
+    if not config.model:
+        raise ConfigError("missing required setting --model (YAML `model`, env PDGATE_MODEL)")
     _validate_discovery(config)
     _validate_routing(config)
     _validate_notify(config)
@@ -272,43 +326,43 @@ def validate_config(config: RouterConfig, policy_names: frozenset[str]) -> Route
     return config
 
 
-def engine_url_problem(url: str) -> str | None:
-    """Why `url` is not a usable engine base URL, or None when it is: http(s) only, a host,
-    a valid port, no credentials (they would reach logs and metric labels), no path, query
-    or fragment. Used for static URLs here and by the admin API."""
-    if not url.strip().isascii() or not url.strip().isprintable() or " " in url.strip():
-        return "engine URL must be printable ASCII without spaces"
-    try:
-        parts = urlsplit(url.strip())
-        parts.port  # noqa: B018 -- raises ValueError when out of range or not a number
-    except ValueError:
-        return "invalid engine URL (bad port?)"
-    if parts.scheme not in ("http", "https"):
-        return "engine URL must start with http:// or https://"
-    if not parts.hostname:
-        return "engine URL needs a host"
-    if not _valid_host(parts.hostname):
-        return f"engine URL host {parts.hostname!r} is not a DNS name or IP address"
-    if parts.username is not None or parts.password is not None:
-        return "engine URL must not carry credentials"
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        return "engine URL is a base URL: no path, query or fragment"
-    return None
+# A model's own settings: with `models:` they are set per model, never at the top level.
+_MODEL_OWN = ("model", "served_model_name", "engine_model_name", "tokenizer", "max_model_len",
+              "prefill", "decode", "prefill_selector", "decode_selector", "load_on_demand")
 
 
-_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+def model_configs(config: RouterConfig) -> list[RouterConfig]:
+    """One one-model config per served model: `config` itself without `models`, else each
+    entry of `models` over the top-level settings (its unset fields inherit them)."""
+    if not config.models:
+        return [config]
+    derived = []
+    for entry in config.models:
+        changes = {name: value for name in entry.__struct_fields__
+                   if (value := getattr(entry, name)) is not msgspec.UNSET}
+        derived.append(msgspec.structs.replace(config, models=[], **changes))
+    return derived
 
 
-def _valid_host(host: str) -> bool:
-    # urlsplit accepts spaces and control characters in the host; the engine client would
-    # then fail every request to it, so such an engine must never enter the pool.
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        pass
-    labels = host.rstrip(".").split(".")
-    return len(host) <= 253 and all(_DNS_LABEL.fullmatch(label) for label in labels)
+def _validate_models(config: RouterConfig, policy_names: frozenset[str]) -> None:
+    defaults = RouterConfig(model="x")
+    for field in _MODEL_OWN:
+        if field != "model" and getattr(config, field) != getattr(defaults, field) or \
+                field == "model" and config.model:
+            raise ConfigError(f"{field}: set it under each of `models` (with `models`, the "
+                              "top level describes no model)")
+    owner: dict[str, str] = {}
+    for i, one in enumerate(model_configs(config)):
+        where = f"models[{i}] ({one.model})"
+        try:
+            validate_config(one, policy_names)
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+        for name in one.served_names:
+            if name in owner:
+                raise ConfigError(f"{where}: served_model_name: {name!r} is already served "
+                                  f"by {owner[name]}")
+            owner[name] = where
 
 
 def _validate_resilience(config: RouterConfig) -> None:
@@ -360,6 +414,8 @@ def _validate_discovery(config: RouterConfig) -> None:
     if config.discovery == "k8s":
         # Static URLs may be given too (e.g. an engine outside the cluster).
         for field in ("prefill_selector", "decode_selector"):
+            if field == "prefill_selector" and config.pd_mode == "colocated":
+                continue
             if not getattr(config, field).strip():
                 raise ConfigError(f"{field}: a label selector is required with discovery k8s")
         if config.k8s_api_url is not None and not config.k8s_api_url.startswith(
@@ -367,7 +423,11 @@ def _validate_discovery(config: RouterConfig) -> None:
         ):
             raise ConfigError(f"k8s_api_url: {config.k8s_api_url!r} is not an http(s):// URL")
         return
-    if not config.prefill:
+    if config.pd_mode == "colocated":
+        if config.prefill:
+            raise ConfigError("prefill: a colocated model has no prefill engines "
+                              "(pd_mode colocated: decode pool only)")
+    elif not config.prefill:
         raise ConfigError("prefill: at least one prefill engine URL is required")
     if not config.decode:
         raise ConfigError("decode: at least one decode engine URL is required")
@@ -389,7 +449,27 @@ def load_config(
         return msgspec.convert(raw, RouterConfig)
     except msgspec.ValidationError as exc:
         source = f"{yaml_path}: " if yaml_path is not None else ""
-        raise ConfigError(f"{source}{_name_the_setting(str(exc))}") from None
+        message = _name_the_model_setting(str(exc), raw) or _name_the_setting(str(exc))
+        raise ConfigError(f"{source}{message}") from None
+
+
+def _name_the_model_setting(message: str, raw: dict[str, Any]) -> str | None:
+    """msgspec's message for a field of one of `models`, naming that model and field
+    (`models[1] (llama-8b): pd_mode: Invalid enum value 'pul'`); None for other fields."""
+    at = re.search(r" - at `\$\.models\[(\d+)\](?:\.(\w+))?", message)
+    if at is None:
+        return None
+    i = int(at.group(1))
+    entries = raw.get("models")
+    entry = entries[i] if isinstance(entries, list) and i < len(entries) else None
+    name = entry.get("model") if isinstance(entry, dict) else None
+    where = f"models[{i}]" + (f" ({name})" if isinstance(name, str) else "")
+    text = message[:at.start()]
+    if (missing := re.fullmatch(r"Object missing required field `(\w+)`", text)):
+        return f"{where}: missing required field `{missing.group(1)}`"
+    if (unknown := re.fullmatch(r"Object contains unknown field `(\w+)`", text)):
+        return f"{where}: unknown field `{unknown.group(1)}`"
+    return f"{where}: {at.group(2) or 'entry'}: {text}"
 
 
 def _name_the_setting(message: str) -> str:

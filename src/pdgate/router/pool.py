@@ -90,14 +90,17 @@ class EndpointPool:
     Role lists are replaced, never mutated in place, so a caller iterating a list it got
     earlier is never disturbed by a concurrent `add`/`remove`. `dp_size` is each role's
     default number of DP ranks per engine URL (1: not data-parallel; 0: not known yet, one
-    endpoint until `resize`).
+    endpoint until `resize`). `decode_only`: a colocated model's pool, ready without a
+    prefill engine.
     """
 
     def __init__(
         self, prefill: Sequence[str], decode: Sequence[str], metrics: RouterMetrics,
         *, health: HealthSettings | None = None, dp_size: Mapping[Role, int] | None = None,
+        decode_only: bool = False,
     ) -> None:
         self._metrics = metrics
+        self._decode_only = decode_only  # a colocated model: no prefill pool to wait for
         self._health_settings = health
         self._dp_size: dict[Role, int] = {"prefill": 1, "decode": 1, **(dp_size or {})}
         self._by_role: dict[Role, list[Endpoint]] = {"prefill": [], "decode": []}
@@ -238,8 +241,10 @@ class EndpointPool:
                 if ep.healthy and not ep.draining and ep.health.admits(ep.in_flight)]
 
     def ready(self) -> bool:
-        """True when at least one prefill and one decode engine may take new requests."""
-        return bool(self.healthy("prefill")) and bool(self.healthy("decode"))
+        """True when at least one prefill and one decode engine may take new requests (a
+        decode engine alone for a decode-only pool)."""
+        return bool(self.healthy("decode")) and (self._decode_only
+                                                  or bool(self.healthy("prefill")))
 
     def track(self, ep: Endpoint) -> _Tracked:
         """Count one in-flight request on `ep` for the duration of the `with` block."""

@@ -6,7 +6,8 @@ charts configure processes this way). Secret fields may instead name a file with
 secret never has to sit in the pod spec or in `ps` output. Precedence, later wins:
 defaults < `--config` YAML < environment < command-line flags.
 
-Values are strings: list fields are comma-separated (`PDGATE_API_KEYS=k1,k2`), booleans are
+Values are strings: list fields are comma-separated (`PDGATE_API_KEYS=k1,k2`) except `models`
+(`PDGATE_MODELS`: a JSON list of model objects), booleans are
 `true/false/1/0/yes/no/on/off`, numbers are parsed by the config decoder, and a policy may be
 a name or a JSON object (`{"type": "prefix-aware", "params": {...}}`). An empty variable is
 ignored, so a chart can render a variable unconditionally.
@@ -79,6 +80,11 @@ def _read_secret_file(var: str, path: str) -> str | None:
 
 def _convert(field: str, typ: Any, raw: str) -> Any:
     origin = getattr(typ, "__origin__", None)
+    if field == "models":  # a list of objects: JSON (a chart renders it with toJson)
+        try:
+            return msgspec.json.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise ConfigError(f"{env_name(field)}: invalid JSON list of models: {exc}") from None
     if origin is list:
         return [item.strip() for item in raw.split(",") if item.strip()]
     if typ is bool:

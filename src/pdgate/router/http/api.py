@@ -34,6 +34,7 @@ from pdgate.router.metrics import RouterMetrics
 from pdgate.router.orchestrator import Orchestrator, StreamResult
 from pdgate.router.pool import EndpointPool
 from pdgate.router.request_ids import InternalIds, client_request_id
+from pdgate.router.served_models import ModelTable, ServedModel
 from pdgate.router.tracing import span
 
 __all__ = ["RouterState", "StateHolder", "install_routes"]
@@ -64,9 +65,10 @@ class RouterState:
     config: RouterConfig
     metrics: RouterMetrics
     registry: CollectorRegistry
-    pool: EndpointPool
-    orchestrator: Orchestrator
+    pool: EndpointPool  # the default (first) model's, as `models.default.pool`
+    orchestrator: Orchestrator  # the default model's
     started_at: int
+    models: ModelTable  # every served model, by served name
     admission: Admission | None = None  # None: no admission control (tests, benches)
     limits: InputLimits = field(default_factory=InputLimits)  # request parsing bounds
 
@@ -128,15 +130,15 @@ async def until_disconnected(
 
 
 def build_request(
-    kind: str, raw: bytes, request: Request, request_id: str, served: list[str],
+    kind: str, raw: bytes, request: Request, request_id: str, models: ModelTable,
     client_id: str | None = None, limits: InputLimits | None = None,
-    engine_model: str | None = None,
-) -> ClientRequest:
-    """Validate `raw` into a `ClientRequest` (raises `RouterError` subclasses).
+) -> tuple[ClientRequest, ServedModel]:
+    """Validate `raw` into a `ClientRequest` and find the model serving it (raises
+    `RouterError` subclasses: `ModelNotFound` for a name no model serves).
 
     `request_id` is the router's internal id (router/request_ids.py): the only id engines
     see. `client_id` is the client's sanitised `X-Request-Id`, kept for logs. A served alias
-    is rewritten to `engine_model`, the name engines know."""
+    is rewritten to the model's `engine_model`, the name engines know."""
     if kind == "chat":
         body, chat = parse_chat(raw, limits)
         req = ClientRequest("chat", "/v1/chat/completions", body, chat, request_id, {})
@@ -145,10 +147,9 @@ def build_request(
         req = ClientRequest("completion", "/v1/completions", body, comp, request_id, {})
         req.prompt, req.batch = classify_prompt(comp.prompt)
     model = req.params.model
-    if model is not None and model not in served:
-        raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-    if model is not None and engine_model is not None and model != engine_model:
-        req.body["model"] = engine_model
+    served = models.resolve(model)
+    if model is not None and model != served.config.engine_model:
+        req.body["model"] = served.config.engine_model
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     for name, raw_name, valid in _TRACE_HEADERS:
         if (value := header_value(request.scope, raw_name)) is not None and valid(value):
@@ -156,7 +157,7 @@ def build_request(
     req.engine_headers = headers
     req.client_headers = request.headers
     req.client_request_id = client_id
-    return req
+    return req, served
 
 
 def _completion_handler(
@@ -199,14 +200,15 @@ def _completion_handler(
         request: Request, raw: bytes, st: RouterState, t0: float, ids: _Ids
     ) -> Response:
         try:
-            args = (kind, raw, request, ids.internal, st.config.served_names, ids.client,
-                    st.limits, st.config.engine_model)
+            args = (kind, raw, request, ids.internal, st.models, ids.client, st.limits)
             # A megabyte body takes msgspec tens of ms to decode: not on the event loop.
-            req = build_request(*args) if len(raw) <= _INLINE_PARSE_BYTES else \
+            req, served = build_request(*args) if len(raw) <= _INLINE_PARSE_BYTES else \
                 await anyio.to_thread.run_sync(build_request, *args)
+            if (record := request_context.current()) is not None:
+                record.model = served.name  # the access line's model, before any answer
             # Only while the router starts: engines probed every 0.2 s until ready.
-            await st.pool.wait_first_ready(st.config.startup_wait_s)
-            result = await until_disconnected(request, st.orchestrator.handle(req))
+            await served.pool.wait_first_ready(st.config.startup_wait_s)
+            result = await until_disconnected(request, served.orchestrator.handle(req))
         except RouterError as exc:
             _count(st, route, exc.status, t0)
             return error_response(exc, ids.echo)
@@ -274,37 +276,47 @@ def install_routes(table: RouteTable, holder: StateHolder) -> None:
     for path, kind in (("/v1/completions", "completion"), ("/v1/chat/completions", "chat")):
         table.add("POST", path, _completion_handler(holder, kind, path))
 
-    def model_card(name: str) -> dict[str, object]:
+    def model_card(served: ServedModel, name: str) -> dict[str, object]:
         # vLLM's fields too: `root` the model the engines load, `parent` None (not a LoRA),
-        # `max_model_len` the context length (None when the router knows none).
-        st = holder.state
-        tokenizer = st.orchestrator.tokenizer
-        return {"id": name, "object": "model", "created": st.started_at,
-                "owned_by": "pdgate", "root": st.config.model, "parent": None,
-                "max_model_len": st.config.max_model_len or (
-                    tokenizer.max_model_len if tokenizer is not None else None)}
+        # `max_model_len` the context length (None when the router knows none); `ready`:
+        # whether this model has a ready pair now.
+        return {"id": name, "object": "model", "created": holder.state.started_at,
+                "owned_by": "pdgate", "root": served.config.model, "parent": None,
+                "max_model_len": served.max_model_len, "ready": served.pool.ready()}
 
     async def models(request: Request) -> Response:
-        data = [model_card(name) for name in holder.state.config.served_names]
+        data = [model_card(m, name) for m in holder.state.models.models
+                for name in m.config.served_names]
         return _json_response({"object": "list", "data": data})
 
     async def model(request: Request) -> Response:
         name = request.path_params["model"]
-        if name not in holder.state.config.served_names:
-            return error_response(ModelNotFound(f"The model `{name}` does not exist.",
-                                                param="model"))
-        return _json_response(model_card(name))
+        try:
+            served = holder.state.models.resolve(name)
+        except ModelNotFound as exc:
+            return error_response(exc)
+        return _json_response(model_card(served, name))
 
     async def health(request: Request) -> Response:
         return _json_response({"status": "ok"})
 
     async def ready(request: Request) -> Response:
-        pool = holder.state.pool
-        body = {
-            "prefill_healthy": len(pool.healthy("prefill")),
-            "decode_healthy": len(pool.healthy("decode")),
+        # ?model=NAME: that model alone; else every model must have a ready pair. The
+        # top-level counts are summed over the models answered for; `models` (each one's
+        # verdict) is left out for a one-model router asked about all, as before models.
+        table = holder.state.models
+        name = request.query_params.get("model")
+        try:
+            chosen = table.models if name is None else (table.resolve(name),)
+        except ModelNotFound as exc:
+            return error_response(exc)
+        body: dict[str, object] = {
+            "prefill_healthy": sum(len(m.pool.healthy("prefill")) for m in chosen),
+            "decode_healthy": sum(len(m.pool.healthy("decode")) for m in chosen),
         }
-        if pool.ready():
+        if name is not None or len(table.models) > 1:
+            body["models"] = {m.name: m.ready_body() for m in chosen}
+        if all(m.pool.ready() for m in chosen):
             return _json_response({"status": "ready", **body})
         return _json_response({"status": "not ready", **body}, 503)
 

@@ -1,10 +1,12 @@
 """The router app factory: everything is built here or in the lifespan and passed in, no globals.
 
 `create_app(config)` validates the config at once (bad settings fail before serving);
-the tokenizer is loaded there too, only if something configured reads prompt tokens
-(router/input/tokenizer_setup.py). The lifespan then builds, in order, metrics → engine client
-(one pool of keep-alive connections) → endpoint pool (first health round) → health-check task →
-orchestrator, and tears them down in reverse order.
+each model's tokenizer is loaded there too, only if something configured for that model
+reads prompt tokens (router/input/tokenizer_setup.py). The lifespan then builds, in order,
+metrics → engine client (one pool of keep-alive connections, shared by every model) → each
+model's endpoint pool (first health round, all models at once) → per model: discovery,
+health-check task, routing, flows, orchestrator (router/served_models.py) — and tears them
+down in reverse order.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -22,13 +25,13 @@ from starlette.middleware.cors import CORSMiddleware
 
 from pdgate.router.aborts import Aborter
 from pdgate.router.admission import Admission
-from pdgate.router.config import RouterConfig, validate_config
+from pdgate.router.config import RouterConfig, model_configs, validate_config
 from pdgate.router.discovery import KubernetesDiscovery
 from pdgate.router.dp_learn import open_dp_learning
 from pdgate.router.engines.client import EngineClient
 from pdgate.router.errors import RouterError
 from pdgate.router.flows.base import FlowParts
-from pdgate.router.flows.setup import open_flows
+from pdgate.router.flows.setup import FlowShared, open_flows
 from pdgate.router.health import HealthSettings
 from pdgate.router.http.access_log import AccessLogMiddleware
 from pdgate.router.http.admin import install_admin_routes
@@ -45,6 +48,7 @@ from pdgate.router.orchestrator import Orchestrator
 from pdgate.router.policies import POLICY_NAMES
 from pdgate.router.policies.setup import check_routing, open_routing
 from pdgate.router.pool import Endpoint, EndpointPool
+from pdgate.router.served_models import ModelTable, ServedModel
 from pdgate.router.tracing import UNTRACED, TracingMiddleware, TracingSlot, finish_span
 from pdgate.router.worker_metrics import pod_registry, publish_forever, remove_published
 
@@ -58,19 +62,23 @@ def create_app(
     *,
     registry: CollectorRegistry | None = None,
     tokenizer: PromptTokenizer | None = None,
+    tokenizers: Mapping[str, PromptTokenizer] | None = None,
 ) -> RouterApp:
     """Build the router ASGI app for `config`.
 
     `registry`: where metrics go (default: a fresh registry per app, exposed at /metrics).
-    `tokenizer`: a preloaded tokenizer (tests share one); default loads
-    `config.tokenizer_source` here, when a configured feature reads prompt tokens.
+    `tokenizer`: a preloaded tokenizer for the first model (tests share one); `tokenizers`:
+    preloaded ones by a model's `model` field. Default: each model loads its
+    `tokenizer_source` here, when a feature configured for it reads prompt tokens.
     Raises `ConfigError` for invalid settings or a needed tokenizer that cannot load.
     """
     validate_config(config, POLICY_NAMES)
-    check_routing(config)
-    readers = token_readers(config)
-    if tokenizer is None:
-        tokenizer = open_tokenizer(config, readers)
+    models: list[_ModelSetup] = []
+    for i, one in enumerate(model_configs(config)):
+        check_routing(one)
+        readers = token_readers(one)
+        given = (tokenizers or {}).get(one.model) or (tokenizer if i == 0 else None)
+        models.append(_ModelSetup(one, given or open_tokenizer(one, readers), bool(readers)))
     tracing = TracingSlot(config, os.environ)  # off unless configured (router/tracing.py)
     holder = StateHolder()
     # A --workers worker's scrape shows every worker of the pod (router/worker_metrics.py).
@@ -78,8 +86,7 @@ def create_app(
 
     @contextlib.asynccontextmanager
     async def lifespan() -> AsyncIterator[None]:
-        async with tracing.running(), _serving_state(
-                config, registry, tokenizer, bool(readers)) as st:
+        async with tracing.running(), _serving_state(config, registry, models) as st:
             holder.set(st)
             log.info("serving on the %s event loop", _loop_name())
             sampler = asyncio.create_task(dashboard.sample_forever())  # its rate history
@@ -127,58 +134,102 @@ def _middlewares(config: RouterConfig, tracing: TracingSlot) -> list[tuple[Any, 
     return found
 
 
+@dataclass(frozen=True)
+class _ModelSetup:
+    """One model as `create_app` prepared it: its config, its tokenizer (None: it needs
+    none and none was given), and whether it reads prompt tokens."""
+
+    config: RouterConfig
+    tokenizer: PromptTokenizer | None
+    tokenize_prompts: bool
+
+
 @contextlib.asynccontextmanager
 async def _serving_state(
-    config: RouterConfig, registry: CollectorRegistry, tokenizer: PromptTokenizer | None,
-    tokenize_prompts: bool,
+    config: RouterConfig, registry: CollectorRegistry, models: list[_ModelSetup],
 ) -> AsyncIterator[RouterState]:
     metrics = RouterMetrics.create(registry)
     limits = InputLimits.from_config(config)
-    if not tokenize_prompts:
+    if not any(m.tokenize_prompts for m in models):
         log_no_tokenizer()
     async with contextlib.AsyncExitStack() as stack:
-        if tokenizer is not None:
-            # This app's input limits (and max_model_len, also for a preloaded tokenizer).
-            tokenizer = tokenizer.with_limits(limits, config.max_model_len)
-            stack.push_async_callback(tokenizer.aclose)  # client-template worker processes
-        engines = EngineClient.create(config)
+        engines = EngineClient.create(config)  # one connection pool for every model
         stack.push_async_callback(engines.close)
-        pool = EndpointPool(config.prefill, config.decode, metrics, health=HealthSettings(
-            config.health_failure_threshold, config.health_success_threshold,
-            config.eject_consecutive_errors, config.breaker_open_s,
-        ), dp_size={"prefill": config.prefill_dp_size, "decode": config.decode_dp_size})
 
         async def probe(ep: Endpoint) -> bool:
             return await engines.health(ep.url)
 
-        engines.set_stream_listener(_breaker_feed(pool))
+        pools = [_pool(m.config, metrics) for m in models]
+        engines.set_stream_listener(_breaker_feed(pools))
         engines.set_discard_listener(
             lambda reason: metrics.child(metrics.engine_connections_discarded, reason).inc())
-
-        await pool.check_all(probe)
-        if config.discovery == "k8s":
-            await _start_discovery(config, pool, stack)
-        await open_dp_learning(config, pool, engines.metrics_page, stack)  # DP size 0
-        checker = asyncio.create_task(pool.run_health_checks(probe, config.health_interval_s))
-        stack.push_async_callback(_cancel, checker)
-        routing = await open_routing(config, pool, metrics, stack)
+        await asyncio.gather(*(pool.check_all(probe) for pool in pools))
         aborter = Aborter(engines, metrics, config.kv_abort_timeout_s)
         stack.push_async_callback(aborter.aclose)  # waits for pending KV aborts, bounded
-        parts = FlowParts(pool, engines, {"prefill": routing.prefill, "decode": routing.decode},
-                          metrics, aborter, config.max_retries, config.retry_backoff_s)
-        pull, pd_flow = await open_flows(config, parts, registry, stack, tokenizer)
-        orchestrator = Orchestrator(tokenizer, metrics, pull, pd_flow, routing.decider,
-                                    tokenize_prompts=tokenize_prompts, limits=limits)
-        yield RouterState(config, metrics, registry, pool, orchestrator, int(time.time()),
-                          _admission(config, metrics), limits)
+        shared = FlowShared(config, registry, stack)
+        served = []
+        for m, pool in zip(models, pools, strict=True):
+            parts = _ModelParts(engines, metrics, aborter, shared, limits, probe)
+            served.append(await _open_model(m, pool, parts, stack))
+        table = ModelTable(served)
+        first = table.default
+        yield RouterState(config, metrics, registry, first.pool, first.orchestrator,
+                          int(time.time()), table, _admission(config, metrics), limits)
 
 
-def _breaker_feed(pool: EndpointPool) -> Callable[[str, RouterError | None], None]:
+def _pool(config: RouterConfig, metrics: RouterMetrics) -> EndpointPool:
+    return EndpointPool(config.prefill, config.decode, metrics, health=HealthSettings(
+        config.health_failure_threshold, config.health_success_threshold,
+        config.eject_consecutive_errors, config.breaker_open_s,
+    ), dp_size={"prefill": config.prefill_dp_size, "decode": config.decode_dp_size},
+        decode_only=config.pd_mode == "colocated")
+
+
+@dataclass(frozen=True)
+class _ModelParts:
+    """What every model's stack is built from: the router's shared parts."""
+
+    engines: EngineClient
+    metrics: RouterMetrics
+    aborter: Aborter
+    shared: FlowShared
+    limits: InputLimits
+    probe: Callable[[Endpoint], Awaitable[bool]]
+
+
+async def _open_model(m: _ModelSetup, pool: EndpointPool, parts: _ModelParts,
+                      stack: contextlib.AsyncExitStack) -> ServedModel:
+    """One model's discovery, health checks, routing, flows and orchestrator; its tasks
+    stop with `stack`."""
+    config, tokenizer = m.config, m.tokenizer
+    if tokenizer is not None:
+        # This app's input limits (and max_model_len, also for a preloaded tokenizer).
+        tokenizer = tokenizer.with_limits(parts.limits, config.max_model_len)
+        stack.push_async_callback(tokenizer.aclose)  # client-template worker processes
+    if config.discovery == "k8s":
+        await _start_discovery(config, pool, stack)
+    await open_dp_learning(config, pool, parts.engines.metrics_page, stack)  # DP size 0
+    checker = asyncio.create_task(pool.run_health_checks(parts.probe,
+                                                         config.health_interval_s))
+    stack.push_async_callback(_cancel, checker)
+    routing = await open_routing(config, pool, parts.metrics, stack)
+    flow_parts = FlowParts(pool, parts.engines,
+                           {"prefill": routing.prefill, "decode": routing.decode},
+                           parts.metrics, parts.aborter, config.max_retries,
+                           config.retry_backoff_s)
+    pull, pd_flow = await open_flows(config, flow_parts, parts.shared, tokenizer)
+    orchestrator = Orchestrator(tokenizer, parts.metrics, pull, pd_flow, routing.decider,
+                                tokenize_prompts=m.tokenize_prompts, limits=parts.limits)
+    return ServedModel(config, pool, orchestrator)
+
+
+def _breaker_feed(pools: list[EndpointPool]) -> Callable[[str, RouterError | None], None]:
     """How each decode stream ended, fed to that engine's breaker: a stream that breaks
-    after its first byte (reset, garbage, an overlong line) counts against its engine."""
+    after its first byte (reset, garbage, an overlong line) counts against its engine (in
+    every model's pool that holds it: the engine is one process)."""
 
     def stream_ended(url: str, error: RouterError | None) -> None:
-        for ep in pool.endpoints("decode"):
+        for ep in (ep for pool in pools for ep in pool.endpoints("decode")):
             if ep.url == url:
                 if error is None:
                     ep.health.record_success()

@@ -43,6 +43,7 @@ from pdgate.router.input.limits import check_json_depth
 from pdgate.router.policies import PickContext, choose
 from pdgate.router.pool import Endpoint
 from pdgate.router.request_ids import InternalIds
+from pdgate.router.served_models import ServedModel
 from pdgate.router.tracing import span
 
 __all__ = ["PASSTHROUGH_ROUTES", "install_passthrough"]
@@ -72,11 +73,11 @@ def _handler(holder: StateHolder, ids: InternalIds, route: str) -> RouteEndpoint
         echo = client or internal
         slot: Slot | None = None
         try:
-            body = await _read_body(request, st)
+            body, served = await _read_body(request, st)
             if st.admission:
                 with span("admission_wait"):
                     slot = await st.admission.acquire()
-            response = await _forward(st, request.method, route, body, internal, echo)
+            response = await _forward(st, served, request.method, route, body, internal, echo)
         except RouterError as exc:
             if isinstance(exc, Overloaded):
                 st.metrics.child(st.metrics.admission_rejected, exc.reason).inc()
@@ -95,11 +96,11 @@ def _handler(holder: StateHolder, ids: InternalIds, route: str) -> RouteEndpoint
     return handler
 
 
-async def _read_body(request: Request, st: RouterState) -> bytes | None:
-    """The request body, bounded like a completion's; a JSON body's model checked and an
-    alias rewritten to the engines' name."""
+async def _read_body(request: Request, st: RouterState) -> tuple[bytes | None, ServedModel]:
+    """The request body, bounded like a completion's, and the model serving it (the
+    default without a body or a `model`); an alias is rewritten to the engines' name."""
     if request.method != "POST":
-        return None
+        return None, st.models.default
     cfg = st.config
     raw = await read_body_within(request, cfg.max_body_bytes, cfg.body_timeout_s,
                                  cfg.body_chunk_timeout_s)
@@ -111,26 +112,29 @@ async def _read_body(request: Request, st: RouterState) -> bytes | None:
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model not in cfg.served_names:
+    served = st.models.resolve(model if isinstance(model, str) else None)
+    if model is not None and not isinstance(model, str):
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-    if model is not None and model != cfg.engine_model:
-        body["model"] = cfg.engine_model
-        return _json_encode(body)
-    return raw
+    if model is not None and model != served.config.engine_model:
+        body["model"] = served.config.engine_model
+        return _json_encode(body), served
+    return raw, served
 
 
-async def _forward(st: RouterState, method: str, path: str, body: bytes | None,
-                   internal: str, echo: str) -> Response:
-    """Send the request to one engine of the configured role and relay its answer."""
-    parts = st.orchestrator.pull.parts
-    role = st.config.passthrough_role
-    await st.pool.wait_first_ready(st.config.startup_wait_s)
-    ep = await choose(st.pool, role, parts.policies[role], PickContext(internal))
+async def _forward(st: RouterState, served: ServedModel, method: str, path: str,
+                   body: bytes | None, internal: str, echo: str) -> Response:
+    """Send the request to one engine of the model's pass-through role (a colocated
+    model's decode engines) and relay its answer."""
+    parts = served.orchestrator.pull.parts
+    pool = served.pool
+    role = served.config.passthrough_role if served.config.pd_mode != "colocated" else "decode"
+    await pool.wait_first_ready(st.config.startup_wait_s)
+    ep = await choose(pool, role, parts.policies[role], PickContext(internal))
     headers = {"X-Request-Id": internal}
     if body is not None:
         headers["Content-Type"] = "application/json"
     held = contextlib.ExitStack()  # the engine's in-flight count, until the answer is sent
-    held.enter_context(st.pool.track(ep))
+    held.enter_context(pool.track(ep))
     try:
         resp = await parts.engines.forward(ep.url, method, path, body, headers)
     except RouterError:

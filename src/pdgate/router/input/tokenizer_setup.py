@@ -35,7 +35,7 @@ def token_readers(config: RouterConfig) -> list[str]:
         selector = build_policy(getattr(config, field))
         if selector.needs_tokens:
             readers.append(f"the {selector.type} policy (--{field.replace('_', '-')})")
-    if config.pd_mode != "pull":  # notify reserves D's blocks, push names the prompt's size
+    if config.pd_mode in ("notify", "push"):  # notify reserves D's blocks, push names its size
         readers.append(f"--pd-mode {config.pd_mode}")
     if config.disagg_min_tokens > 0:
         readers.append("--disagg-min-tokens")

@@ -12,6 +12,7 @@ the orchestrator counts every answer in `pdgate_disagg_decisions_total{reason}`.
 | `short_prompt`    | no     | fewer prompt tokens than `--disagg-min-tokens`              |
 | `decode_has_prefix` | no   | a healthy decode engine already holds at least             |
 |                   |        | `--disagg-prefix-ratio` of the prompt (prefix index)        |
+| `colocated`       | no     | the model is served colocated (`pd_mode: colocated`)       |
 | `disagg`          | yes    | otherwise                                                   |
 
 Running on D alone is never wrong, only slower for long uncached prompts: D computes the
@@ -67,18 +68,23 @@ def decide(req: ClientRequest) -> Decision:
 DecodePrefixLookup = Callable[[Sequence[int]], int]
 
 
+_COLOCATED = Decision(False, "colocated")
+
+
 class PrefixDecider:
     """`decide` plus the short-prompt and decode-holds-the-prefix rules (module docstring).
 
     `min_tokens` 0 disables the length rule; `prefix_ratio` None (or no `lookup`) disables
-    the prefix rule."""
+    the prefix rule. `colocated`: the model has no prefill pool, every answer is no."""
 
     def __init__(
         self,
         min_tokens: int = 0,
         prefix_ratio: float | None = None,
         lookup: DecodePrefixLookup | None = None,
+        *, colocated: bool = False,
     ) -> None:
+        self.colocated = colocated
         self.min_tokens = min_tokens
         self.prefix_ratio = prefix_ratio
         self.lookup = lookup
@@ -89,6 +95,8 @@ class PrefixDecider:
         return self.min_tokens > 0 or (self.prefix_ratio is not None and self.lookup is not None)
 
     def decide(self, req: ClientRequest) -> Decision:
+        if self.colocated:
+            return _COLOCATED
         base = decide(req)
         ids = req.prompt_token_ids
         if not base.disagg or ids is None:

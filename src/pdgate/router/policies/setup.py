@@ -73,6 +73,7 @@ async def open_routing(
     decider = PrefixDecider(
         config.disagg_min_tokens, config.disagg_prefix_ratio,
         _decode_prefix_lookup(pool, env) if config.disagg_prefix_ratio else None,
+        colocated=config.pd_mode == "colocated",
     )
     return Routing(build_policy(config.prefill_policy, env, metrics), decode, decider, env)
 

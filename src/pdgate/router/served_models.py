@@ -1,0 +1,80 @@
+"""The models one router serves, each with its own engine pool, flows and orchestrator.
+
+A request names its model; `ModelTable.resolve` finds the model serving that name with one
+dict lookup (every served name and alias is a key), so routing by model costs the same for
+one model as for many. A router configured with today's one-model flags has one entry.
+
+An engine URL may serve several models: each model's pool then holds its own endpoint for
+it, with that model's in-flight count, health verdicts and breaker (an engine that fails one
+model's requests keeps serving the others until its own probes fail).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdgate.router.config import RouterConfig
+from pdgate.router.errors import ModelNotFound
+from pdgate.router.orchestrator import Orchestrator
+from pdgate.router.pool import EndpointPool
+
+__all__ = ["ModelTable", "ServedModel"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """One model: its one-model config (router/config.py `model_configs`), its engines and
+    the orchestrator that runs its requests."""
+
+    config: RouterConfig
+    pool: EndpointPool
+    orchestrator: Orchestrator
+
+    @property
+    def name(self) -> str:
+        """The model's first served name: how logs, metrics and `/ready` name it."""
+        return self.config.served_names[0]
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The context length: configured, else the tokenizer's (None: unknown)."""
+        tokenizer = self.orchestrator.tokenizer
+        return self.config.max_model_len or (
+            tokenizer.max_model_len if tokenizer is not None else None)
+
+    def ready_body(self) -> dict[str, object]:
+        """This model's part of `/ready`: whether it has a ready pair, and its counts."""
+        return {"ready": self.pool.ready(),
+                "prefill_healthy": len(self.pool.healthy("prefill")),
+                "decode_healthy": len(self.pool.healthy("decode")),
+                "pd_mode": self.config.pd_mode}
+
+
+class ModelTable:
+    """Every served model, found by any of its served names. The first is the default: it
+    serves requests that name no model."""
+
+    def __init__(self, models: Sequence[ServedModel]) -> None:
+        if not models:
+            raise ValueError("a router serves at least one model")
+        self.models = tuple(models)
+        self.default = self.models[0]
+        self._by_name = {name: m for m in self.models for name in m.config.served_names}
+
+    def resolve(self, name: str | None) -> ServedModel:
+        """The model serving `name` (None: the default). Raises `ModelNotFound` (404)."""
+        if name is None:
+            return self.default
+        found = self._by_name.get(name)
+        if found is None:
+            raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
+        return found
+
+    def ready(self) -> bool:
+        """True when every model has a ready pair (a decode engine for a colocated one)."""
+        return all(m.pool.ready() for m in self.models)
+
+    def pools(self) -> list[EndpointPool]:
+        """Each model's engine pool, in configuration order."""
+        return [m.pool for m in self.models]

@@ -29,6 +29,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdgate.up_models import ModelPlan, plan_models, write_router_config
+
 DEMO_PROMPT = "The quick brown fox"
 RANDOM_WEIGHTS_NOTE = ("note            : the built-in tiny model has random weights, so this "
                        "text is gibberish by design;\n                  what the demo shows is "
@@ -88,8 +90,16 @@ def build_parser() -> argparse.ArgumentParser:
         prog="pdgate up",
         description="Start a local P/D cluster (shim engines + router) in the foreground.",
     )
-    p.add_argument("--prefill", type=int, default=1, help="number of prefill engines")
-    p.add_argument("--decode", type=int, default=1, help="number of decode engines")
+    p.add_argument("--prefill", type=int, default=1,
+                   help="number of prefill engines (of each model)")
+    p.add_argument("--decode", type=int, default=1, help="number of decode engines (of each "
+                   "model)")
+    p.add_argument("--models", type=int, default=1,
+                   help="models behind the router: model i > 0 is the tiny model with "
+                   "another seed (other weights), served as <name>-<i+1>, with engines of its "
+                   "own")
+    p.add_argument("--colocated-models", type=int, default=0, metavar="N",
+                   help="the last N models run colocated: decode engines only")
     p.add_argument(
         "--model", default="tiny",
         help="'tiny' (built-in random-weight model) or a local HF model directory",
@@ -163,10 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _engine_argv(args: argparse.Namespace, model: str, name: str, i: int) -> list[str]:
+def _engine_argv(args: argparse.Namespace, plan: ModelPlan, name: str, i: int) -> list[str]:
     argv = [
         sys.executable, "-m", "pdgate.engine_shim",
-        "--model", model, "--served-model-name", _served_name(args),
+        "--model", plan.model_dir, "--served-model-name", plan.name,
         "--host", args.host, "--port", str(args.engine_port_base + i),
         "--device", args.device, "--block-size", str(args.block_size),
         "--num-blocks", str(args.num_blocks), "--engine-id", name,
@@ -185,15 +195,19 @@ def _engine_argv(args: argparse.Namespace, model: str, name: str, i: int) -> lis
     if args.allow_unauthenticated and not _loopback(args.host):
         argv.append("--allow-unauthenticated")
     extra: list[str] = args.engine_arg
-    role_extra: list[str] = (args.prefill_engine_arg if name.startswith("prefill")
+    role_extra: list[str] = (args.prefill_engine_arg if _is_prefill(name)
                              else args.decode_engine_arg)
     return argv + extra + role_extra
 
 
-def _router_argv(args: argparse.Namespace, model_dir: str, engines: list[Child]) -> list[str]:
+def _is_prefill(name: str) -> bool:
+    return "prefill" in name.split("-")
+
+
+def _router_argv(args: argparse.Namespace, plans: list[ModelPlan],
+                 engines: list[list[Child]], log_dir: Path) -> list[str]:
     argv = [
         sys.executable, "-m", "pdgate.router", "--host", args.host, "--port", str(args.port),
-        "--model", model_dir, "--served-model-name", _served_name(args),
         "--prefill-policy", args.prefill_policy, "--decode-policy", args.decode_policy,
         "--pd-mode", args.pd_mode, "--log-format", args.log_format,
     ]
@@ -202,9 +216,14 @@ def _router_argv(args: argparse.Namespace, model_dir: str, engines: list[Child])
     if args.notify_secret:
         argv += ["--notify-secret", args.notify_secret]
     argv += args.router_arg
-    for child in engines:
-        role = "--prefill" if child.name.startswith("prefill") else "--decode"
-        argv += [role, child.url]
+    if len(plans) > 1 or plans[0].colocated:  # several models: a models: config
+        urls = [([c.url for c in mine if _is_prefill(c.name)],
+                 [c.url for c in mine if not _is_prefill(c.name)]) for mine in engines]
+        return argv + ["--config", str(write_router_config(
+            log_dir / "router-models.yaml", plans, urls))]
+    argv += ["--model", plans[0].model_dir, "--served-model-name", plans[0].name]
+    for child in engines[0]:
+        argv += ["--prefill" if _is_prefill(child.name) else "--decode", child.url]
     return argv
 
 
@@ -308,12 +327,13 @@ def _kv_read_bytes(url: str) -> float:
     return total
 
 
-def run_demo(args: argparse.Namespace, router_url: str, engines: list[Child]) -> bool:
-    """Send one completion through the P/D path and print what happened."""
+def run_demo(args: argparse.Namespace, router_url: str, plan: ModelPlan,
+             engines: list[Child]) -> bool:
+    """Send one completion through `plan`'s model (the P/D path unless it is colocated)
+    and print what happened."""
     decoders = engines  # pull: D READs; notify/push: P WRITEs
     before = sum(_kv_read_bytes(c.url) for c in decoders)
-    body = {"model": _served_name(args), "prompt": DEMO_PROMPT, "max_tokens": 16,
-            "temperature": 0}
+    body = {"model": plan.name, "prompt": DEMO_PROMPT, "max_tokens": 16, "temperature": 0}
     status, reply, headers = _http_json(router_url + "/v1/completions", body, timeout=60.0,
                                         key=args.api_key)
     moved = sum(_kv_read_bytes(c.url) for c in decoders) - before
@@ -322,19 +342,25 @@ def run_demo(args: argparse.Namespace, router_url: str, engines: list[Child]) ->
         return False
     choices = reply.get("choices") or [{}]
     text = choices[0].get("text", "") if isinstance(choices, list) else ""
-    print(f"\nsample request  : {DEMO_PROMPT!r}\nanswer          : {text!r}")
+    print(f"\nmodel           : {plan.name}\nsample request  : {DEMO_PROMPT!r}\n"
+          f"answer          : {text!r}")
     if args.model == "tiny" or _is_tiny(Path(args.model)):
         print(RANDOM_WEIGHTS_NOTE)
-    print(f"prefill engine  : {headers.get('x-pdgate-prefill-engine', '?')}")
+    print(f"prefill engine  : {headers.get('x-pdgate-prefill-engine', '-')}")
     print(f"decode engine   : {headers.get('x-pdgate-decode-engine', '?')}")
-    how = "READ" if args.pd_mode == "pull" else "WRITE"
-    print(f"KV bytes moved  : {int(moved)} (NIXL {how}, decode <- prefill, {args.pd_mode})")
+    if plan.colocated:
+        print("KV bytes moved  : none (colocated: the decode engine computed the prompt)")
+    else:
+        how = "READ" if args.pd_mode == "pull" else "WRITE"
+        print(f"KV bytes moved  : {int(moved)} (NIXL {how}, decode <- prefill, {args.pd_mode})")
     print(f"usage           : {reply.get('usage')}", flush=True)
-    return moved > 0
+    return plan.colocated or moved > 0
 
 
-def _print_curl(args: argparse.Namespace, router_url: str) -> None:
-    body = json.dumps({"model": _served_name(args), "prompt": "Hello", "max_tokens": 16})
+def _print_curl(args: argparse.Namespace, router_url: str, plans: list[ModelPlan]) -> None:
+    body = json.dumps({"model": plans[-1].name, "prompt": "Hello", "max_tokens": 16})
+    if len(plans) > 1:
+        print(f"\nmodels          : {', '.join(p.name for p in plans)} (GET /v1/models)")
     auth = " -H 'Authorization: Bearer <your --api-key>'" if args.api_key else ""
     print(
         f"\nrouter serving on {router_url}; try:\n"
@@ -344,28 +370,36 @@ def _print_curl(args: argparse.Namespace, router_url: str) -> None:
     )
 
 
-def start_cluster(args: argparse.Namespace, cluster: Cluster) -> str:
-    model_dir = _resolve_model(args)
-    roles = [("prefill", n) for n in range(args.prefill)] + [
-        ("decode", n) for n in range(args.decode)
-    ]
+def start_cluster(args: argparse.Namespace, cluster: Cluster) -> tuple[str, list[ModelPlan],
+                                                                     list[list[Child]]]:
+    """Start every model's engines, then the router; return the router's URL, the models
+    and each model's engine children."""
+    plans = plan_models(args.models, args.colocated_models, _resolve_model(args),
+                        _served_name(args), args.prefill, args.decode)
     engine_env, router_env = cluster_keys(args)
     key_file = _write_engine_key(cluster.log_dir, engine_env)
     if key_file is not None:
         print(f"engine key      : {key_file} (engines serve only the router)", flush=True)
-    engines = []
-    for i, (role, n) in enumerate(roles):
-        name, url = f"{role}-{n}", f"http://{args.host}:{args.engine_port_base + i}"
-        engines.append(cluster.spawn(name, url, _engine_argv(args, model_dir, name, i),
-                                     engine_env))
+    engines: list[list[Child]] = []
+    i = 0
+    for m, plan in enumerate(plans):
+        mine = []
+        prefix = f"m{m}-" if len(plans) > 1 else ""
+        roles = [("prefill", n) for n in range(plan.prefill)] + [
+            ("decode", n) for n in range(plan.decode)]
+        for role, n in roles:
+            name, url = f"{prefix}{role}-{n}", f"http://{args.host}:{args.engine_port_base + i}"
+            mine.append(cluster.spawn(name, url, _engine_argv(args, plan, name, i), engine_env))
+            i += 1
+        engines.append(mine)
     router_url = f"http://{args.host}:{args.port}"
-    router = cluster.spawn("router", router_url, _router_argv(args, model_dir, engines),
-                           router_env)
+    router = cluster.spawn("router", router_url,
+                           _router_argv(args, plans, engines, cluster.log_dir), router_env)
     deadline = time.monotonic() + args.startup_timeout
-    for child in engines:
+    for child in (c for mine in engines for c in mine):
         _wait_ready(cluster, child, "/health", deadline)
     _wait_ready(cluster, router, "/ready", deadline)
-    return router_url
+    return router_url, plans, engines
 
 
 def _serve_forever(cluster: Cluster) -> int:
@@ -390,6 +424,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.prefill < 1 or args.decode < 1:
         print("pdgate up: need at least one prefill and one decode engine", file=sys.stderr)
         return 2
+    if not 0 <= args.colocated_models <= args.models or args.models < 1:
+        print("pdgate up: --models must be >= 1 and --colocated-models in 0..--models",
+              file=sys.stderr)
+        return 2
+    if args.models > 1 and args.model != "tiny" and not _is_tiny(Path(args.model)):
+        print("pdgate up: --models N > 1 serves seeded copies of the built-in tiny model "
+              "(--model tiny)", file=sys.stderr)
+        return 2
     for flag, key in (("--api-key", args.api_key), ("--engine-api-key", args.engine_api_key)):
         if key is not None and len(key) < 8:
             print(f"pdgate up: {flag}: use at least 8 characters", file=sys.stderr)
@@ -399,13 +441,15 @@ def main(argv: list[str] | None = None) -> int:
     cluster = Cluster(log_dir)
     signal.signal(signal.SIGTERM, _raise_stop)
     signal.signal(signal.SIGINT, _raise_stop)
-    print(f"pdgate up: {args.prefill}P{args.decode}D, logs in {log_dir}", flush=True)
+    each = f" x {args.models} models" if args.models > 1 else ""
+    print(f"pdgate up: {args.prefill}P{args.decode}D{each}, logs in {log_dir}", flush=True)
     try:
-        router_url = start_cluster(args, cluster)
-        ok = args.no_demo or run_demo(args, router_url, cluster.children[:-1])
+        router_url, plans, engines = start_cluster(args, cluster)
+        ok = args.no_demo or all([run_demo(args, router_url, plan, mine)
+                                  for plan, mine in zip(plans, engines, strict=True)])
         if args.exit_after_demo:
             return 0 if ok else 1
-        _print_curl(args, router_url)
+        _print_curl(args, router_url, plans)
         return _serve_forever(cluster)
     except _Stop:
         return 0

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +85,8 @@ class Cluster:
     log_dir: Path
     model: str = "pdgate-tiny"
     console: str = ""
+    # `--models N`: each model's (prefill URLs, decode URLs), model 0 first.
+    per_model: list[tuple[list[str], list[str]]] = field(default_factory=list)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         if self.proc.poll() is None:
@@ -103,8 +105,13 @@ class Cluster:
 
 def start_cluster(tmp: Path, model_dir: Path, *, prefill: int = 1, decode: int = 1,
                   block_size: int = 4, demo: bool = False, extra: list[str] | None = None,
-                  timeout: float = 180.0, engine_key: bool = False) -> Cluster:
-    n = prefill + decode
+                  timeout: float = 180.0, engine_key: bool = False, models: int = 1,
+                  colocated_models: int = 0) -> Cluster:
+    """`pdgate up` with `prefill` + `decode` engines per model (`models` of them, the last
+    `colocated_models` with decode engines only), ready to serve."""
+    counts = [(0 if m >= models - colocated_models else prefill, decode)
+              for m in range(models)]
+    n = sum(p + d for p, d in counts)
     base = free_port_range(2 * n + 1)
     router_port, engine_base, side_base = base, base + 1, base + 1 + n
     log_dir = tmp / "logs"
@@ -114,6 +121,8 @@ def start_cluster(tmp: Path, model_dir: Path, *, prefill: int = 1, decode: int =
             "--block-size", str(block_size), "--num-blocks", "256", "--log-dir", str(log_dir),
             "--kv-digests", *device_args(),
             *(extra or [])]
+    if models > 1 or colocated_models:
+        argv += ["--models", str(models), "--colocated-models", str(colocated_models)]
     if not demo:
         argv.append("--no-demo")
     if not engine_key:  # the tests call engines directly; `pdgate up` keys them by default
@@ -121,8 +130,14 @@ def start_cluster(tmp: Path, model_dir: Path, *, prefill: int = 1, decode: int =
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     urls = [f"http://127.0.0.1:{engine_base + i}" for i in range(n)]
-    cluster = Cluster(proc, f"http://127.0.0.1:{router_port}", urls[:prefill], urls[prefill:],
-                      log_dir, model=model_dir.name)
+    per_model, at = [], 0
+    for p, d in counts:
+        per_model.append((urls[at:at + p], urls[at + p:at + p + d]))
+        at += p + d
+    cluster = Cluster(proc, f"http://127.0.0.1:{router_port}",
+                      [u for ps, _ in per_model for u in ps],
+                      [u for _, ds in per_model for u in ds], log_dir, model=model_dir.name,
+                      per_model=per_model)
     _wait_ready(cluster, timeout)
     if demo:
         _wait_for_console(cluster, "Ctrl-C stops the cluster")

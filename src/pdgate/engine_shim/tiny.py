@@ -16,7 +16,8 @@ from typing import Any
 
 TINY_VERSION = "1"
 TINY_MODEL_NAME = "pdgate-tiny"
-_SEED = 1234
+TINY_SEED = 1234  # the default weights; `pdgate up --models N` uses TINY_SEED + i
+_SEED = TINY_SEED
 _VOCAB_SIZE = 512
 
 TINY_CONFIG: dict[str, Any] = {
@@ -100,8 +101,9 @@ def build_tiny_tokenizer(out_dir: Path) -> None:
     (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
 
 
-def build_tiny_weights(out_dir: Path) -> None:
-    """Write config.json and seeded random weights as model.safetensors (HF Llama names)."""
+def build_tiny_weights(out_dir: Path, seed: int = _SEED) -> None:
+    """Write config.json and seeded random weights as model.safetensors (HF Llama names);
+    another `seed` gives another model of the same shape and tokenizer."""
     import torch
     from safetensors.torch import save_file
 
@@ -109,7 +111,7 @@ def build_tiny_weights(out_dir: Path) -> None:
     hidden, inter, vocab = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     q_out = c["num_attention_heads"] * c["head_dim"]
     kv_out = c["num_key_value_heads"] * c["head_dim"]
-    gen = torch.Generator().manual_seed(_SEED)
+    gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int, std: float = 0.2) -> torch.Tensor:
         return torch.randn(*shape, generator=gen, dtype=torch.float32) * std
@@ -135,13 +137,18 @@ def build_tiny_weights(out_dir: Path) -> None:
     (out_dir / "config.json").write_text(json.dumps(c, indent=2))
 
 
-def ensure_tiny_model(out_dir: Path | None = None, *, weights: bool = True) -> Path:
-    """Materialise the tiny model once (atomically) and return its directory.
+def ensure_tiny_model(out_dir: Path | None = None, *, weights: bool = True,
+                      seed: int = _SEED) -> Path:
+    """Materialise the tiny model once (atomically) and return its directory. `seed`
+    picks its weights (`pdgate up --models N`: one seed per model); a seed other than the
+    default has a cache directory of its own.
 
     Several processes (two engines, a router) may call this at the same moment, so the
     model is built in a private temporary directory and renamed into place.
     """
     target = out_dir or default_cache_dir()
+    if out_dir is None and seed != _SEED:
+        target = target.parent / f"{target.name}-seed{seed}"
     marker = target / ("config.json" if weights else "tokenizer.json")
     if marker.exists():
         return target
@@ -149,7 +156,7 @@ def ensure_tiny_model(out_dir: Path | None = None, *, weights: bool = True) -> P
     tmp = target.parent / f".{target.name}.tmp-{os.getpid()}"
     build_tiny_tokenizer(tmp)
     if weights:
-        build_tiny_weights(tmp)
+        build_tiny_weights(tmp, seed)
     try:
         os.rename(tmp, target)
     except OSError:

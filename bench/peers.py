@@ -6,6 +6,10 @@ completion, or an SSE stream for the streaming rows). Each router is pinned to t
 core(s) with taskset; nginx and the load generator get other cores. Cases (`--cases`):
 
     rr       round-robin, one core, every prompt size, JSON and SSE
+    dp       rr with each engine as 2 data-parallel ranks (pdgate --prefill-dp-size 2
+             --decode-dp-size 2, vllm-router --intra-node-data-parallel-size 2): every leg
+             carries X-data-parallel-rank; `x rr CPU` is the CPU per request over the same
+             router's rr row (the cost of rank pinning)
     cache    prefix routing (pdgate prefix-text, vllm-router cache_aware), one core, JSON
     workers  round-robin on `--multi-cpus` cores (pdgate --workers N), JSON
 
@@ -19,7 +23,7 @@ vllm-router in the same case, and for the workers rows pdgate's ratio to its one
 
 The routers of a case run side by side on the same cores and every row measures them in
 turn (`--reps` times, the median reported), so a host whose speed drifts during the run
-shifts them alike; `--base-root` adds another checkout's pdgate to the rr rows.
+shifts them alike; `--base-root` (repeatable) adds other checkouts' pdgate to the rr rows.
 
 Needs: nginx (installed with apt-get when missing and running as root; or `--nginx PATH`),
 vllm-router (pip, into a cached venv under .cache/, never the project's .venv; or
@@ -341,10 +345,14 @@ _POLICY_FLAGS = {
     "pdgate": {
         "round-robin": ["--prefill-policy", "round-robin", "--decode-policy", "round-robin"],
         "cache-aware": ["--prefill-policy", "prefix-text", "--decode-policy", "prefix-text"],
+        # Each engine URL as 2 data-parallel ranks: every leg pinned with X-data-parallel-rank.
+        "round-robin-dp2": ["--prefill-policy", "round-robin", "--decode-policy", "round-robin",
+                            "--prefill-dp-size", "2", "--decode-dp-size", "2"],
     },
     "vllm-router": {
         "round-robin": ["--policy", "round_robin"],
         "cache-aware": ["--policy", "cache_aware"],
+        "round-robin-dp2": ["--policy", "round_robin", "--intra-node-data-parallel-size", "2"],
     },
 }
 
@@ -369,7 +377,7 @@ def vllm_router_argv(port: int, p: int, d: int, workers: int, policy: str,
             "--worker-startup-check-interval", "1"]
 
 
-ROUTERS = {"pdgate": pdgate_argv, "pdgate-base": pdgate_argv, "vllm-router": vllm_router_argv}
+ROUTERS = {"pdgate": pdgate_argv, "vllm-router": vllm_router_argv}
 
 
 def prompt_of(words: int) -> str:
@@ -400,11 +408,14 @@ def cases(args: argparse.Namespace) -> list[Case]:
             out.append(Case("rr", "round-robin", 1, args.router_cpus, ("json", "sse"), words))
         elif name == "cache":
             out.append(Case("cache", "cache-aware", 1, args.router_cpus, ("json",), big))
+        elif name == "dp":
+            out.append(Case("dp", "round-robin-dp2", 1, args.router_cpus, ("json", "sse"),
+                            words))
         elif name == "workers":
             out.append(Case(f"x{args.multi_workers}", "round-robin", args.multi_workers,
                             args.multi_cpus, ("json",), big))
         else:
-            raise SystemExit(f"unknown case {name!r} (rr, cache, workers)")
+            raise SystemExit(f"unknown case {name!r} (rr, cache, dp, workers)")
     return out
 
 
@@ -424,27 +435,42 @@ class Row:
 
 
 def _names(args: argparse.Namespace, case: Case) -> list[str]:
-    """The routers of one case, in the order each row measures them: `pdgate-base` (the
-    `--base-root` checkout) joins the one-core round-robin case."""
-    names = args.routers.split(",")
+    """The routers of one case, in the order each row measures them: one `pdgate@<dir>`
+    per `--base-root` checkout joins the one-core round-robin case after `pdgate`."""
+    names: list[str] = args.routers.split(",")
     if args.base_root and case.name == "rr" and "pdgate" in names:
-        names.insert(names.index("pdgate") + 1, "pdgate-base")
+        at = names.index("pdgate") + 1
+        names[at:at] = [_base_name(root) for root in args.base_root]
     return names
 
 
-def _cwd(args: argparse.Namespace, name: str) -> Path:
-    # `python -m` imports from its working directory first: --pdgate-root / --base-root
-    # measure another checkout's pdgate.
-    if name == "pdgate-base":
-        return Path(args.base_root)
+def _base_name(root: str) -> str:
+    return f"pdgate@{Path(root).name}"
+
+
+def _root(args: argparse.Namespace, name: str) -> Path:
+    """The checkout a pdgate row runs from."""
+    for root in args.base_root or []:
+        if name == _base_name(root):
+            return Path(root)
     return Path(args.pdgate_root) if name == "pdgate" and args.pdgate_root else ROOT
+
+
+def pdgate_env(root: Path) -> dict[str, str]:
+    """The environment that imports pdgate from `root`, whatever is installed: its src/
+    (or, for a checkout older than the src/ layout, the checkout itself) first on
+    PYTHONPATH; the caller's PYTHONPATH (wheels on a bare machine) after it."""
+    src = root / "src" if (root / "src" / "pdgate").is_dir() else root
+    old = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": f"{src}:{old}" if old else str(src)}
 
 
 def measure(args: argparse.Namespace, ports: dict[str, int], logdir: Path,
             tools: Tools) -> list[Row]:
     """Every row of every case. The routers of a case run side by side (the same cores;
     only the one under load does work), and each row measures them in turn, `--reps`
-    times: a host whose speed drifts during the run shifts every router alike. A row
+    times, each rep starting with the next router: a host whose speed drifts during the
+    run, or a first-measured penalty, shifts every router alike. A row
     reports the median req/s run (and the median CPU per request of the reps)."""
     rows: list[Row] = []
     for case in cases(args):
@@ -456,16 +482,23 @@ def measure(args: argparse.Namespace, ports: dict[str, int], logdir: Path,
                     # vllm-router has no worker processes: its threads get the same cores.
                     workers = case.workers if name.startswith("pdgate") else 1
                     port = free_port()
-                    argv = ROUTERS[name](port, ports["prefill"], ports[fmt], workers,
+                    kind = "pdgate" if name.startswith("pdgate") else name
+                    argv = ROUTERS[kind](port, ports["prefill"], ports[fmt], workers,
                                          case.policy, args)
+                    root = _root(args, name)
+                    env = pdgate_env(root) if kind == "pdgate" else None
                     proc = spawn(argv, case.cpus, logdir / f"{name}-{case.name}-{fmt}.log",
-                                 cwd=_cwd(args, name))
+                                 env=env, cwd=root)
                     procs[name] = (port, proc, workers)
                     wait_serving(port, proc, stream=fmt == "sse")
                 for words in case.words:
                     runs: dict[str, list[Row]] = {name: [] for name in names}
-                    for _ in range(args.reps):
-                        for name, (port, proc, workers) in procs.items():
+                    for rep in range(args.reps):
+                        # Each rep starts one router later: a router measured first in
+                        # every rep ran ~10% slower than the same code measured later.
+                        order = list(procs)[rep % len(procs):] + list(procs)[:rep % len(procs)]
+                        for name in order:
+                            port, proc, workers = procs[name]
                             runs[name].append(_row(args, tools, port, proc, name, case,
                                                    workers, words, fmt))
                     rows += [_median(runs[name]) for name in names]
@@ -506,9 +539,9 @@ _RUNTIME = ("import sys\n"
 def pdgate_runtime(args: argparse.Namespace) -> str:
     """The Python and event loop pdgate runs on (uvicorn takes uvloop when importable;
     the router's own log says so at INFO), and the machine's CPU model."""
-    cwd = Path(args.pdgate_root) if args.pdgate_root else ROOT
+    root = Path(args.pdgate_root) if args.pdgate_root else ROOT
     out = subprocess.run([sys.executable, "-c", _RUNTIME], capture_output=True, text=True,
-                         cwd=cwd).stdout.strip()
+                         cwd=root, env=pdgate_env(root)).stdout.strip()
     cpu = "unknown CPU"
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -522,13 +555,14 @@ def print_table(rows: list[Row], ceiling: float, args: argparse.Namespace,
                 tools: Tools) -> None:
     ref = {(r.case, r.words, r.format): r for r in rows if r.router == "vllm-router"}
     one = {(r.words, r.format): r for r in rows if r.router == "pdgate" and r.case == "rr"}
+    rr = {(r.router, r.words, r.format): r for r in rows if r.case == "rr"}
     print(f"pull mode, max_tokens {MAX_TOKENS}, {args.connections} connections, "
           f"{args.duration:g} s per row; one-core cases on cpu {args.router_cpus}, "
           f"x{args.multi_workers} on cpus {args.multi_cpus}; load on cpus {args.load_cpus}")
     print(pdgate_runtime(args))
-    print(f"{'router':<12}{'case':<6}{'policy':<12}{'words':>6} {'fmt':<5}{'req/s':>8}"
+    print(f"{'router':<20}{'case':<6}{'policy':<16}{'words':>6} {'fmt':<5}{'req/s':>8}"
           f"{'p50 ms':>8}{'p99 ms':>8}{'CPU us/req':>11}{'x req/s':>8}{'x CPU':>7}"
-          f"{'x 1 core':>9}{'errors':>7}")
+          f"{'x 1 core':>9}{'x rr CPU':>9}{'errors':>7}")
     for r in rows:
         base = ref.get((r.case, r.words, r.format))
         rps_x = f"{r.rps / base.rps:.2f}" if base and base.rps else "-"
@@ -537,9 +571,12 @@ def print_table(rows: list[Row], ceiling: float, args: argparse.Namespace,
         single = one.get((r.words, r.format))
         scale = f"{r.rps / single.rps:.2f}" if r.workers > 1 and single and single.rps \
             else "-"
-        print(f"{r.router:<12}{r.case:<6}{r.policy:<12}{r.words:>6} {r.format:<5}"
+        same = rr.get((r.router, r.words, r.format))
+        vs_rr = f"{r.cpu_us_per_req / same.cpu_us_per_req:.2f}" \
+            if r.case == "dp" and same and same.cpu_us_per_req else "-"
+        print(f"{r.router:<20}{r.case:<6}{r.policy:<16}{r.words:>6} {r.format:<5}"
               f"{r.rps:>8.0f}{r.p50_ms:>8.2f}{r.p99_ms:>8.2f}{r.cpu_us_per_req:>11.0f}"
-              f"{rps_x:>8}{cpu_x:>7}{scale:>9}{r.errors:>7}")
+              f"{rps_x:>8}{cpu_x:>7}{scale:>9}{vs_rr:>9}{r.errors:>7}")
     print(f"load generator ceiling (straight to the decode nginx): {ceiling:.0f} req/s"
           f" ({'wrk' if tools.wrk else 'aiohttp'})")
     if rows and max(r.rps for r in rows) > 0.5 * ceiling:
@@ -557,8 +594,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--words", type=lambda s: [int(w) for w in s.split(",")],
                    default=[5, 200, 2000], help="comma-separated prompt sizes in words")
     p.add_argument("--cases", default="rr,cache,workers" if ncpu >= 8 else "rr,cache",
-                   help="comma-separated: rr, cache, workers (default: all three with 8 "
-                        "cores or more)")
+                   help="comma-separated: rr, cache, dp, workers (default: rr, cache and, "
+                        "with 8 cores or more, workers)")
     p.add_argument("--multi-workers", type=int, default=4,
                    help="pdgate --workers in the workers case")
     p.add_argument("--multi-cpus", default="0-3", help="taskset cpu list of the workers case")
@@ -577,9 +614,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tool-libs", help="directory put on LD_LIBRARY_PATH for nginx and wrk")
     p.add_argument("--pdgate-root",
                    help="run pdgate from this checkout (e.g. an older commit's git archive)")
-    p.add_argument("--base-root",
-                   help="also measure the pdgate of this checkout as `pdgate-base` in the "
-                        "rr case, interleaved with the others (before/after in one run)")
+    p.add_argument("--base-root", action="append",
+                   help="also measure the pdgate of this checkout as `pdgate@<dir name>` in "
+                        "the rr case, interleaved with the others (before/after in one run); "
+                        "repeat it to compare several commits")
     p.add_argument("--reps", type=int, default=1,
                    help="runs per row and router, interleaved; the row is their median")
     p.add_argument("--vllm-router",

@@ -8,6 +8,7 @@ can cause comes back as a 4xx with an OpenAI-style body, never a 500.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
@@ -238,11 +239,23 @@ def _completion_handler(
 
 def client_id(scope: Any, names: list[str]) -> str | None:
     """The client's own request id, sanitised: the first of `names` (--request-id-headers)
-    the request carries."""
-    for name in names:
-        if (value := header_value(scope, name.lower().encode())) is not None:
-            return client_request_id(value)
+    the request carries. One scan of the raw headers whatever the number of names (most
+    requests carry none of them)."""
+    wanted = _wire_names(tuple(names))
+    found: dict[bytes, bytes] = {}
+    for key, value in scope["headers"]:
+        if key in wanted:
+            found.setdefault(key, value)
+    for name in wanted:
+        if (value := found.get(name)) is not None:
+            return client_request_id(value.decode("latin-1"))
     return None
+
+
+@functools.lru_cache(maxsize=16)
+def _wire_names(names: tuple[str, ...]) -> dict[bytes, None]:
+    """`names` as the lower-case bytes ASGI headers carry, in their order of preference."""
+    return dict.fromkeys(name.lower().encode("latin-1") for name in names)
 
 
 @dataclass(frozen=True, slots=True)

@@ -166,6 +166,7 @@ class FakeEngine:
             app.router.add_post("/v1/kv/reserve", self._reserve)
             app.router.add_post("/v1/kv/info", self._info)
             app.router.add_post("/v1/kv/abort", self._abort)
+        self.add_routes(app)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         sock = socket.socket()
@@ -174,6 +175,9 @@ class FakeEngine:
         await site.start()
         self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
         return self.url
+
+    def add_routes(self, app: web.Application) -> None:
+        """More routes of a subclass (tests/router/fake_lora_engine.py: vLLM's LoRA API)."""
 
     async def stop(self) -> None:
         self._stopping.set()

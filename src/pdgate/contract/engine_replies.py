@@ -7,6 +7,10 @@ field of the wrong type) is an `EngineProtocolError` there (a 502), never a KeyE
 in. The shim answers with the same structs. Unknown fields are ignored (engines add fields
 between versions); the ones below are what the router relies on.
 
+`ModelList` is an engine's `GET /v1/models`: vLLM lists its base model(s) and every LoRA
+adapter it has loaded, an adapter with its `parent` (the base model) and its `root` (the path
+it was loaded from); the router learns which engine holds which adapter from it.
+
 `PrefillKV` is the router's view of the few `kv_transfer_params` keys of P's reply it
 reads (the params themselves travel to D as an opaque object): vLLM's
 `remote_request_id`, `remote_block_ids` and `remote_num_tokens`, and pdgate's
@@ -26,6 +30,8 @@ __all__ = [
     "CompletionReply",
     "KVInfo",
     "KVReservation",
+    "ModelCard",
+    "ModelList",
     "PrefillKV",
     "Usage",
 ]
@@ -119,3 +125,19 @@ class KVReservation(msgspec.Struct):
     num_blocks: int | None = None
     kv_layout: str | None = None
     landed_tokens: bool = False
+
+
+class ModelCard(msgspec.Struct):
+    """One entry of an engine's `/v1/models`: `parent` is set for a LoRA adapter (its base
+    model), `root` is the base model's path or the adapter's source path."""
+
+    id: NonEmpty
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(msgspec.Struct):
+    """An engine's `GET /v1/models` answer."""
+
+    data: list[ModelCard]

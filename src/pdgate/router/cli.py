@@ -34,7 +34,7 @@ _METAVARS = {
     "discovery": "MODE", "namespace": "NAME", "prefill_selector": "LABELS",
     "decode_selector": "LABELS", "prefill_port": "PORT", "decode_port": "PORT",
     "engine_scheme": "SCHEME", "k8s_api_url": "URL",
-    "kv_events": "URL=ENDPOINT", "disagg_prefix_ratio": "RATIO",
+    "kv_events": "URL=ENDPOINT", "disagg_prefix_ratio": "RATIO", "lora_adapters": "NAME=PATH",
     "notify_bind": "ENDPOINT", "notify_advertise_host": "HOST", "notify_secret": "SECRET",
     "api_key": "KEY", "api_keys": "KEY", "admin_api_key": "KEY", "engine_api_key": "KEY",
     "cors_allowed_origins": "ORIGIN", "request_id_headers": "HEADER",
@@ -46,8 +46,10 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("models", "json", "several models, each with its own engines, pd_mode and policies: a "
                        "JSON list of model objects (usually `models:` in the --config YAML; "
                        "docs/configuration.md); the other model flags then stay unset"),
-    ("load_on_demand", bool, "LoRA adapters: the router may load an adapter the chosen "
-                             "engines lack (per model under `models`)"),
+    ("load_on_demand", bool, "LoRA adapters (with --enable-lora): the router loads an "
+                             "adapter the chosen engine lacks (vLLM /v1/load_lora_adapter; "
+                             "the engine needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), one "
+                             "load per engine and adapter (per model under `models`)"),
     ("prefill", list, "prefill engine base URL, e.g. http://10.0.0.1:8100 (repeatable); "
                       "vllm-router's `URL BOOTSTRAP_PORT` or `URL none` is accepted (the port "
                       "is ignored: pdgate's KV handshake needs none)"),
@@ -116,6 +118,13 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                         "ENGINE_URL=tcp://host:port (repeatable)"),
     ("disagg_min_tokens", int, "prompts shorter than this run on a decode engine alone "
                                "(0: always disaggregate)"),
+    ("enable_lora", bool, "route LoRA adapter requests: learn which engine holds which "
+                          "adapter from its /v1/models with each health probe; an adapter "
+                          "request goes only to a P and a D that both hold it"),
+    ("lora_adapters", list, "a LoRA adapter's source for --load-on-demand, NAME=PATH as "
+                            "the engines see the path (repeatable; per model under "
+                            "`models`; default: the path an engine holding it reports)"),
+    ("lora_load_timeout_s", float, "max seconds one adapter load may take (then 503)"),
     ("disagg_prefix_ratio", float, "run on a decode engine alone when one already holds at "
                                    "least this fraction (0..1] of the prompt (default: off)"),
     ("discovery", str, "where engines come from: static (--prefill/--decode); k8s (watch "
@@ -214,8 +223,9 @@ _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "health_success_threshold", "startup_wait_s")),
     ("routing", ("prefill_policy", "decode_policy", "passthrough_role", "prefix_block_size",
                  "prefix_index_max_blocks", "kv_events", "disagg_min_tokens",
-                 "disagg_prefix_ratio", "eject_consecutive_errors", "breaker_open_s",
-                 "max_retries", "retry_backoff_s")),
+                 "disagg_prefix_ratio", "enable_lora", "lora_adapters", "lora_load_timeout_s",
+                 "eject_consecutive_errors", "breaker_open_s", "max_retries",
+                 "retry_backoff_s")),
     ("flows", ("pd_mode", "early_first_token", "prefill_timeout_s",
                "decode_first_byte_timeout_s", "decode_idle_timeout_s", "kv_abort_timeout_s",
                "kv_ready_timeout_s", "notify_bind", "notify_advertise_host", "notify_secret",

@@ -60,7 +60,8 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     model only; one left out takes the top-level value (policies, decider thresholds, pd_mode,
     discovery ports...). The model's own names, tokenizer and engines are never inherited:
     with `models:` the top level sets none of them (router/model_configs.py).
-    `load_on_demand`: LoRA adapters of this model may be loaded on the chosen engines.
+    `load_on_demand`: LoRA adapters of this model may be loaded on the chosen engines;
+    `lora_adapters`: their `NAME=PATH` sources (docs/lora.md).
     """
 
     model: str
@@ -73,6 +74,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     prefill_selector: str = ""
     decode_selector: str = ""
     load_on_demand: bool = False
+    lora_adapters: list[str] = []
     prefill_dp_size: int | msgspec.UnsetType = msgspec.UNSET
     decode_dp_size: int | msgspec.UnsetType = msgspec.UNSET
     prefill_port: int | msgspec.UnsetType = msgspec.UNSET
@@ -100,8 +102,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # Several models, each with its own pools, mode and policies (router/model_configs.py);
     # empty: the one model the fields below describe.
     models: list[ModelConfig] = []
-    # LoRA adapters of the model may be loaded on the engines chosen for a request.
+    # LoRA adapters of the model may be loaded on the engines chosen for a request, from
+    # these `NAME=PATH` sources (else the path an engine holding one reports).
     load_on_demand: bool = False
+    lora_adapters: list[str] = []
     prefill: list[str] = []
     decode: list[str] = []
     # DP ranks behind each engine URL (vLLM --data-parallel-size with internal load
@@ -164,6 +168,11 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     kv_events: list[str] = []
     disagg_min_tokens: int = 0
     disagg_prefix_ratio: float | None = None
+    # LoRA adapters (router/adapters.py, docs/lora.md): learn which engine holds which
+    # adapter from its /v1/models with each health probe; how long one load (of a model's
+    # `load_on_demand`) may take.
+    enable_lora: bool = False
+    lora_load_timeout_s: float = 120.0
     # KV-ready proxy (notify mode): the zmq PULL endpoint this router binds (port 0:
     # any free port), the host engines should connect to when it binds a wildcard, the HMAC
     # secret engines sign with, and how long a request waits for its KV.
@@ -328,7 +337,8 @@ def validate_config(config: RouterConfig, policy_names: frozenset[str]) -> Route
 
 # A model's own settings: with `models:` they are set per model, never at the top level.
 _MODEL_OWN = ("model", "served_model_name", "engine_model_name", "tokenizer", "max_model_len",
-              "prefill", "decode", "prefill_selector", "decode_selector", "load_on_demand")
+              "prefill", "decode", "prefill_selector", "decode_selector", "load_on_demand",
+              "lora_adapters")
 
 
 def model_configs(config: RouterConfig) -> list[RouterConfig]:
@@ -401,6 +411,7 @@ def _validate_routing(config: RouterConfig) -> None:
     ratio = config.disagg_prefix_ratio
     if ratio is not None and not 0 < ratio <= 1:
         raise ConfigError("disagg_prefix_ratio: must be in (0, 1]")
+    _validate_lora(config)
     for entry in config.kv_events:
         url, sep, endpoint = entry.rpartition("=")
         if not sep or not url.startswith(("http://", "https://")) or "://" not in endpoint:
@@ -408,6 +419,19 @@ def _validate_routing(config: RouterConfig) -> None:
                 f"kv_events: {entry!r} is not ENGINE_URL=ENDPOINT "
                 "(e.g. http://10.0.0.1:8100=tcp://10.0.0.1:5557)"
             )
+
+
+def _validate_lora(config: RouterConfig) -> None:
+    if (config.load_on_demand or config.lora_adapters) and not config.enable_lora:
+        raise ConfigError("load_on_demand / lora_adapters: set enable_lora too (the router "
+                          "learns which engine holds which adapter)")
+    if config.lora_load_timeout_s <= 0:
+        raise ConfigError("lora_load_timeout_s: must be > 0")
+    for entry in config.lora_adapters:
+        name, sep, path = entry.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ConfigError(f"lora_adapters: {entry!r} is not NAME=PATH "
+                              "(e.g. sql-lora=/adapters/sql-lora)")
 
 
 def _validate_discovery(config: RouterConfig) -> None:

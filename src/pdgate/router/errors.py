@@ -16,6 +16,9 @@ exceptions at their edge (the engine client in `router/engines/error_map.py`, ms
     ├── Unauthorized                 401 AuthenticationError / invalid_api_key
     ├── Overloaded                   429 RateLimitError / overloaded  (+ Retry-After)
     ├── NoEndpointAvailable          503 ServiceUnavailableError / no_endpoint_available
+    │   ├── AdapterUnavailable       503 ... adapter_unavailable  (no engine of a role
+    │   │                                holds the LoRA adapter, none may be loaded)
+    │   └── AdapterLoadFailed        503 ... adapter_load_failed  (loading it failed)
     ├── TooManyConnections           503 ServiceUnavailableError / too_many_connections
     │                                    (a new connection over the cap, before any read)
     ├── EngineUnavailable            502 BadGatewayError / engine_unavailable  (connect, reset)
@@ -70,6 +73,8 @@ from typing import Any
 import msgspec
 
 __all__ = [
+    "AdapterLoadFailed",
+    "AdapterUnavailable",
     "ContextLengthExceeded",
     "EngineError",
     "EngineMisconfigured",
@@ -193,6 +198,20 @@ class NoEndpointAvailable(RouterError):
     code = "no_endpoint_available"
 
 
+class AdapterUnavailable(NoEndpointAvailable):
+    """A LoRA adapter some engine knows is held by no healthy engine of a leg's role, and
+    the router may not load it there (no `load_on_demand`, or no source path) (503)."""
+
+    code = "adapter_unavailable"
+
+
+class AdapterLoadFailed(NoEndpointAvailable):
+    """Loading a LoRA adapter onto the engine chosen for a leg failed (503; the message
+    names the adapter, the engine and the engine's reason)."""
+
+    code = "adapter_load_failed"
+
+
 class TooManyConnections(RouterError):
     """A new client connection found `max_pending_connections` connections that have not
     completed a request; it is answered and closed before anything is read (503)."""
@@ -254,6 +273,9 @@ class EngineMisconfigured(EngineError):
     client: its key, its headers, a route it must serve, `kv_transfer_params` (502)."""
 
     code = "engine_misconfigured"
+    # The engine's HTTP status (a 404 on a completion route: it does not serve the model
+    # or LoRA adapter asked for, e.g. an adapter unloaded since the last probe).
+    engine_status: int | None = None
 
 
 # vLLM's (and the shim's) wording of a prompt plus max_tokens over the context length.

@@ -119,6 +119,7 @@ class RouterMetrics:
     admission_queued: FastGauge  # requests waiting for a slot
     admission_rejected: FastCounter  # reason (queue_full | queue_timeout)
     kv_aborts: FastCounter  # result (ok | unsupported | failed): P asked to free a request's KV
+    lora_loads: FastCounter  # result (ok | failed): LoRA adapter loads the router asked for
     breaker_opened: FastCounter  # role: circuit breakers opened (engines ejected)
     engine_breaker_state: FastGauge  # engine, role: BREAKER_STATE_VALUES, read at scrape
     # reason (engines/http11.py DISCARD_REASONS): engine connections closed for their bytes
@@ -247,6 +248,11 @@ class RouterMetrics:
             ),
             fallbacks=FastCounter(
                 "pdgate_fallbacks", "Decode legs run without KV from prefill", ["reason"],
+                registry=r,
+            ),
+            lora_loads=FastCounter(
+                "pdgate_lora_loads", "LoRA adapter loads the router sent to engines "
+                "(one per engine and adapter, however many requests waited)", ["result"],
                 registry=r,
             ),
             retries=FastCounter(

@@ -2,7 +2,8 @@
 
 A request names its model; `ModelTable.resolve` finds the model serving that name with one
 dict lookup (every served name and alias is a key), so routing by model costs the same for
-one model as for many. A router configured with today's one-model flags has one entry.
+one model as for many; `ModelTable.find` also finds the model of a LoRA adapter's name. A
+router configured with today's one-model flags has one entry.
 
 An engine URL may serve several models: each model's pool then holds its own endpoint for
 it, with that model's in-flight count, health verdicts and breaker (an engine that fails one
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from pdgate.router.adapters import AdapterNeed, ModelAdapters
 from pdgate.router.config import RouterConfig
 from pdgate.router.errors import ModelNotFound
 from pdgate.router.orchestrator import Orchestrator
@@ -30,6 +32,7 @@ class ServedModel:
     config: RouterConfig
     pool: EndpointPool
     orchestrator: Orchestrator
+    adapters: ModelAdapters | None = None  # its LoRA adapters (None: enable_lora is off)
 
     @property
     def name(self) -> str:
@@ -70,6 +73,17 @@ class ModelTable:
         if found is None:
             raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
         return found
+
+    def find(self, name: str | None) -> tuple[ServedModel, AdapterNeed | None]:
+        """`resolve`, or, for a name no model serves, the model one of whose LoRA adapters
+        it names (router/adapters.py) and the request's need for that adapter."""
+        found = self._by_name.get(name) if name is not None else self.default
+        if found is not None:
+            return found, None
+        for m in self.models:
+            if m.adapters is not None and name is not None and m.adapters.knows(name):
+                return m, m.adapters.need(name)
+        raise ModelNotFound(f"The model `{name}` does not exist.", param="model")
 
     def ready(self) -> bool:
         """True when every model has a ready pair (a decode engine for a colocated one)."""

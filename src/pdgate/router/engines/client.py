@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from pdgate.contract.engine_replies import KVInfo, KVReservation
+from pdgate.contract.engine_replies import KVInfo, KVReservation, ModelList
 from pdgate.router.config import RouterConfig
 from pdgate.router.engines.error_map import check_status, translate
 from pdgate.router.engines.http11 import ConnectionPool, HTTPClientError, Response
@@ -36,18 +36,27 @@ from pdgate.router.engines.replies import (
     PrefillReply,
     check_reply,
     decode_kv_info,
+    decode_models,
     decode_prefill,
     decode_reservation,
     header_id,
 )
 from pdgate.router.engines.stream import EngineStream, RefusalListener, StreamListener
-from pdgate.router.errors import EngineProtocolError, EngineReplyTooLarge
+from pdgate.router.errors import (
+    EngineProtocolError,
+    EngineRejected,
+    EngineReplyTooLarge,
+    RouterError,
+)
 
 __all__ = ["EngineClient", "EngineStream", "StreamListener"]
 
 T = TypeVar("T")
 _json_encode = msgspec.json.Encoder().encode
 _ERROR_BODY_CAP = 64 * 1024  # of a non-2xx body: enough for any message we show
+_MODELS_CAP = 1 << 20  # of a /v1/models answer: thousands of adapters' cards
+# vLLM's 400 to a load of an adapter it already holds (our view was a probe behind).
+_ALREADY_LOADED = "has already been loaded"
 
 
 def _deadline(seconds: float) -> float:
@@ -325,6 +334,36 @@ class EngineClient:
         except (HTTPClientError, TimeoutError):
             return None
         return body if 200 <= resp.status < 300 else None
+
+    async def models(self, url: str) -> ModelList | None:
+        """`GET {url}/v1/models` (its first MiB, within the health timeout), decoded: the
+        base model and the LoRA adapters the engine holds. None when it fails, is not 2xx
+        or is not a model list (the caller keeps what it knew)."""
+        deadline = _deadline(self._cfg.health_timeout_s)
+        try:
+            resp = await self._pool.request("GET", url, "/v1/models", None, {},
+                                            connect_deadline=deadline, deadline=deadline)
+            body = await _read_capped(resp, deadline, _MODELS_CAP)
+            if not 200 <= resp.status < 300:
+                return None
+            return decode_models(url, body)
+        except (HTTPClientError, TimeoutError, RouterError):
+            return None
+
+    async def load_lora_adapter(self, url: str, name: str, path: str,
+                                timeout_s: float) -> None:
+        """`POST {url}/v1/load_lora_adapter` (vLLM; its server needs
+        `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`, else the route is a 404): load adapter
+        `name` from `path`. Returns once the engine holds it (also when it already did);
+        raises the `RouterError` of the failure (`translate`, `check_status`)."""
+        body = _json_encode({"lora_name": name, "lora_path": path})
+        try:
+            await self._post(url, "/v1/load_lora_adapter", body,
+                             {"Content-Type": "application/json"}, lambda raw, _: None,
+                             "adapter load", _deadline(timeout_s), None)
+        except EngineRejected as exc:
+            if exc.status != 400 or _ALREADY_LOADED not in exc.message:
+                raise
 
     async def _status_of(self, method: str, url: str, path: str, body: bytes | None,
                          headers: Mapping[str, str], timeout_s: float) -> int:

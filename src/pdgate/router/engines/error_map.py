@@ -109,8 +109,10 @@ def check_status(url: str, path: str, status: int, raw: bytes, sent: bytes) -> N
         raise EngineError(f"engine {url} returned HTTP {status}: {message}")
     why = _router_caused(path, status, culprit, sent)
     if why is not None:
-        raise EngineMisconfigured(f"engine {url} refused the router's request to {path} "
+        exc = EngineMisconfigured(f"engine {url} refused the router's request to {path} "
                                   f"({why}): HTTP {status}: {message}")
+        exc.engine_status = status
+        raise exc
     raise EngineRejected(message, status=status)
 
 

@@ -27,13 +27,14 @@ from pdgate.contract.engine_replies import (
     CompletionReply,
     KVInfo,
     KVReservation,
+    ModelList,
     PrefillKV,
 )
 from pdgate.router.engines.error_map import COMPLETION_ROUTES, not_the_protocol
 from pdgate.router.errors import EngineProtocolError
 
 __all__ = ["AnswerMismatch", "PrefillReply", "PrefillUsage", "check_answer_id",
-           "check_reply", "decode_kv_info", "decode_prefill", "decode_reservation",
+           "check_reply", "decode_kv_info", "decode_models", "decode_prefill", "decode_reservation",
            "names_other_request", "rewrite_continuation_usage", "rewrite_reply_usage",
            "rewrite_usage"]
 
@@ -70,6 +71,7 @@ _check_completion = msgspec.json.Decoder(_Completion).decode
 _decode_completion = msgspec.json.Decoder(CompletionReply).decode
 _decode_kv_info = msgspec.json.Decoder(KVInfo).decode
 _decode_reservation = msgspec.json.Decoder(KVReservation).decode
+_decode_models = msgspec.json.Decoder(ModelList).decode
 
 
 def names_other_request(value: object, request_id: str | None) -> bool:
@@ -225,6 +227,14 @@ def decode_kv_info(url: str, path: str, raw: bytes) -> KVInfo:
         return _decode_kv_info(raw)
     except _DECODE_ERRORS as exc:
         raise not_the_protocol(url, path, str(exc)) from None
+
+
+def decode_models(url: str, raw: bytes) -> ModelList:
+    """A `GET /v1/models` answer (entries without an `id` are a 502, not a KeyError)."""
+    try:
+        return _decode_models(raw)
+    except _DECODE_ERRORS as exc:
+        raise not_the_protocol(url, "/v1/models", str(exc)) from None
 
 
 def decode_reservation(url: str, path: str, raw: bytes) -> KVReservation:

@@ -19,6 +19,9 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from pdgate.router.errors import (
+    AdapterLoadFailed,
+    AdapterUnavailable,
+    EngineMisconfigured,
     EngineRejected,
     EngineTimeout,
     EngineUnavailable,
@@ -113,10 +116,12 @@ async def _failover_from(
             await asyncio.sleep(backoff_s(attempt, retry_backoff_s))
         try:
             return await run(attempt_request(req, attempt) if fresh_ids else req, excluded)
-        except NoEndpointAvailable:
-            if last is None:
+        except NoEndpointAvailable as exc:
+            # No other engine left: the client hears why the last attempt failed, unless
+            # the request's LoRA adapter is what no engine left can serve (that says more).
+            if last is None or isinstance(exc, AdapterUnavailable | AdapterLoadFailed):
                 raise
-            raise last from None  # no other engine left: the client hears why it failed
+            raise last from None
         except LegFailure as failure:
             last = _retry_or_raise(req, failure, attempt, max_retries, excluded, metrics)
     raise AssertionError("unreachable")
@@ -125,15 +130,33 @@ async def _failover_from(
 def _retry_or_raise(req: ClientRequest, failure: LegFailure, attempt: int, max_retries: int,
                     excluded: Exclusions, metrics: RouterMetrics) -> RouterError:
     """After attempt `attempt` failed: raise the engine's error when it may not be retried
-    (or no retry is left), else exclude the engine, count the retry and return the error."""
-    if not note_failure(failure.role, failure.ep, failure.error) or attempt == max_retries:
+    (or no retry is left), else exclude the engine, count the retry and return the error.
+
+    An engine that answered 404 to a LoRA adapter it was believed to hold (unloaded since
+    the last probe) is not to blame and not excluded: it stops counting as a holder, so the
+    next attempt goes to another holder, or loads the adapter (`load_on_demand`; maybe
+    onto the same engine), or is refused (503 naming the adapter)."""
+    gone = _adapter_gone(req, failure)
+    if gone:
+        req.adapter.forget(failure.ep)
+    elif not note_failure(failure.role, failure.ep, failure.error):
         raise failure.error from None
-    excluded.of(failure.role).append(failure.ep)
+    if attempt == max_retries:
+        raise failure.error from None
+    if not gone:
+        excluded.of(failure.role).append(failure.ep)
     metrics.retries.labels(failure.role).inc()
     log.warning("request %s: %s leg failed on %s (%s); retrying on "
                 "another engine", req.request_id, failure.role, failure.ep.key,
                 failure.error.message)
     return failure.error
+
+
+def _adapter_gone(req: ClientRequest, failure: LegFailure) -> bool:
+    """Whether the leg failed because its engine does not serve the request's adapter."""
+    error = failure.error
+    return req.adapter is not None and isinstance(error, EngineMisconfigured) \
+        and error.engine_status == 404
 
 
 class PullInstead(Exception):  # noqa: N818 -- a signal, not an error

@@ -139,7 +139,8 @@ def build_request(
 
     `request_id` is the router's internal id (router/request_ids.py): the only id engines
     see. `client_id` is the client's sanitised `X-Request-Id`, kept for logs. A served alias
-    is rewritten to the model's `engine_model`, the name engines know."""
+    is rewritten to the model's `engine_model`, the name engines know; a LoRA adapter's name
+    is kept and the request carries its `AdapterNeed`."""
     if kind == "chat":
         body, chat = parse_chat(raw, limits)
         req = ClientRequest("chat", "/v1/chat/completions", body, chat, request_id, {})
@@ -148,8 +149,9 @@ def build_request(
         req = ClientRequest("completion", "/v1/completions", body, comp, request_id, {})
         req.prompt, req.batch = classify_prompt(comp.prompt)
     model = req.params.model
-    served = models.resolve(model)
-    if model is not None and model != served.config.engine_model:
+    served, req.adapter = models.find(model)
+    # An adapter's name is what engines know it by; a served alias is rewritten.
+    if model is not None and req.adapter is None and model != served.config.engine_model:
         req.body["model"] = served.config.engine_model
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     for name, raw_name, valid in _TRACE_HEADERS:
@@ -209,6 +211,8 @@ def _completion_handler(
                 record.model = served.name  # the access line's model, before any answer
             # Only while the router starts: engines probed every 0.2 s until ready.
             await served.pool.wait_first_ready(st.config.startup_wait_s)
+            if req.adapter is not None:
+                req.adapter.check_decode()
             result = await until_disconnected(request, served.orchestrator.handle(req))
         except RouterError as exc:
             _count(st, route, exc.status, t0)
@@ -297,18 +301,29 @@ def install_routes(table: RouteTable, holder: StateHolder) -> None:
                 "owned_by": "pdgate", "root": served.config.model, "parent": None,
                 "max_model_len": served.max_model_len, "ready": served.pool.ready()}
 
+    def adapter_card(served: ServedModel, name: str) -> dict[str, object]:
+        # As vLLM lists a loaded adapter: `parent` its base model, `root` its source.
+        adapters = served.adapters
+        return {"id": name, "object": "model", "created": holder.state.started_at,
+                "owned_by": "pdgate", "root": adapters.source(name) if adapters else None,
+                "parent": served.name, "max_model_len": served.max_model_len,
+                "ready": served.pool.ready()}
+
     async def models(request: Request) -> Response:
         data = [model_card(m, name) for m in holder.state.models.models
                 for name in m.config.served_names]
+        data += [adapter_card(m, name) for m in holder.state.models.models
+                 if m.adapters is not None for name in m.adapters.names()]
         return _json_response({"object": "list", "data": data})
 
     async def model(request: Request) -> Response:
         name = request.path_params["model"]
         try:
-            served = holder.state.models.resolve(name)
+            served, adapter = holder.state.models.find(name)
         except ModelNotFound as exc:
             return error_response(exc)
-        return _json_response(model_card(served, name))
+        card = model_card if adapter is None else adapter_card
+        return _json_response(card(served, name))
 
     async def health(request: Request) -> Response:
         return _json_response({"status": "ok"})

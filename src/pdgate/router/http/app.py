@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 from starlette.middleware.cors import CORSMiddleware
 
 from pdgate.router.aborts import Aborter
+from pdgate.router.adapters import AdapterRegistry, ModelAdapters, parse_adapter_sources
 from pdgate.router.admission import Admission
 from pdgate.router.config import RouterConfig, model_configs, validate_config
 from pdgate.router.discovery import KubernetesDiscovery
@@ -156,8 +157,14 @@ async def _serving_state(
         engines = EngineClient.create(config)  # one connection pool for every model
         stack.push_async_callback(engines.close)
 
+        adapters = AdapterRegistry(engines, metrics, load_timeout_s=config.lora_load_timeout_s) \
+            if config.enable_lora else None
+
         async def probe(ep: Endpoint) -> bool:
-            return await engines.health(ep.url)
+            ok = await engines.health(ep.url)
+            if ok and adapters is not None:  # which LoRA adapters it holds, kept fresh
+                await adapters.refresh(ep.url)
+            return ok
 
         pools = [_pool(m.config, metrics) for m in models]
         engines.set_stream_listener(_breaker_feed(pools))
@@ -169,7 +176,7 @@ async def _serving_state(
         shared = FlowShared(config, registry, stack)
         served = []
         for m, pool in zip(models, pools, strict=True):
-            parts = _ModelParts(engines, metrics, aborter, shared, limits, probe)
+            parts = _ModelParts(engines, metrics, aborter, shared, limits, probe, adapters)
             served.append(await _open_model(m, pool, parts, stack))
         table = ModelTable(served)
         first = table.default
@@ -195,6 +202,7 @@ class _ModelParts:
     shared: FlowShared
     limits: InputLimits
     probe: Callable[[Endpoint], Awaitable[bool]]
+    adapters: AdapterRegistry | None  # LoRA adapters (None: enable_lora is off)
 
 
 async def _open_model(m: _ModelSetup, pool: EndpointPool, parts: _ModelParts,
@@ -220,7 +228,10 @@ async def _open_model(m: _ModelSetup, pool: EndpointPool, parts: _ModelParts,
     pull, pd_flow = await open_flows(config, flow_parts, parts.shared, tokenizer)
     orchestrator = Orchestrator(tokenizer, parts.metrics, pull, pd_flow, routing.decider,
                                 tokenize_prompts=m.tokenize_prompts, limits=parts.limits)
-    return ServedModel(config, pool, orchestrator)
+    adapters = None if parts.adapters is None else ModelAdapters(
+        parts.adapters, pool, load_on_demand=config.load_on_demand,
+        sources=parse_adapter_sources(config.lora_adapters))
+    return ServedModel(config, pool, orchestrator, adapters)
 
 
 def _breaker_feed(pools: list[EndpointPool]) -> Callable[[str, RouterError | None], None]:

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from pdgate.router import request_context
+from pdgate.router.adapters import AdapterNeed
 from pdgate.router.admission import Slot
 from pdgate.router.engines.error_map import translate
 from pdgate.router.engines.http11 import Response as EngineResponse
@@ -73,11 +74,12 @@ def _handler(holder: StateHolder, ids: InternalIds, route: str) -> RouteEndpoint
         echo = client or internal
         slot: Slot | None = None
         try:
-            body, served = await _read_body(request, st)
+            body, served, adapter = await _read_body(request, st)
             if st.admission:
                 with span("admission_wait"):
                     slot = await st.admission.acquire()
-            response = await _forward(st, served, request.method, route, body, internal, echo)
+            response = await _forward(st, served, request.method, route, body, internal, echo,
+                                      adapter)
         except RouterError as exc:
             if isinstance(exc, Overloaded):
                 st.metrics.child(st.metrics.admission_rejected, exc.reason).inc()
@@ -96,11 +98,13 @@ def _handler(holder: StateHolder, ids: InternalIds, route: str) -> RouteEndpoint
     return handler
 
 
-async def _read_body(request: Request, st: RouterState) -> tuple[bytes | None, ServedModel]:
-    """The request body, bounded like a completion's, and the model serving it (the
-    default without a body or a `model`); an alias is rewritten to the engines' name."""
+async def _read_body(request: Request, st: RouterState) -> tuple[
+        bytes | None, ServedModel, AdapterNeed | None]:
+    """The request body, bounded like a completion's, the model serving it (the default
+    without a body or a `model`) and the LoRA adapter it names; an alias is rewritten to
+    the engines' name (an adapter's name is what the engines know it by)."""
     if request.method != "POST":
-        return None, st.models.default
+        return None, st.models.default, None
     cfg = st.config
     raw = await read_body_within(request, cfg.max_body_bytes, cfg.body_timeout_s,
                                  cfg.body_chunk_timeout_s)
@@ -112,24 +116,27 @@ async def _read_body(request: Request, st: RouterState) -> tuple[bytes | None, S
     if not isinstance(body, dict):
         raise InvalidRequest("request body must be a JSON object")
     model = body.get("model")
-    served = st.models.resolve(model if isinstance(model, str) else None)
+    served, adapter = st.models.find(model if isinstance(model, str) else None)
     if model is not None and not isinstance(model, str):
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-    if model is not None and model != served.config.engine_model:
+    if model is not None and adapter is None and model != served.config.engine_model:
         body["model"] = served.config.engine_model
-        return _json_encode(body), served
-    return raw, served
+        return _json_encode(body), served, None
+    return raw, served, adapter
 
 
 async def _forward(st: RouterState, served: ServedModel, method: str, path: str,
-                   body: bytes | None, internal: str, echo: str) -> Response:
+                   body: bytes | None, internal: str, echo: str,
+                   adapter: AdapterNeed | None = None) -> Response:
     """Send the request to one engine of the model's pass-through role (a colocated
     model's decode engines) and relay its answer."""
     parts = served.orchestrator.pull.parts
     pool = served.pool
     role = served.config.passthrough_role if served.config.pd_mode != "colocated" else "decode"
     await pool.wait_first_ready(st.config.startup_wait_s)
-    ep = await choose(pool, role, parts.policies[role], PickContext(internal))
+    # A LoRA adapter's request goes to an engine holding it (router/adapters.py).
+    ep = await choose(pool, role, parts.policies[role],
+                      PickContext(internal, adapter=adapter))
     headers = {"X-Request-Id": internal}
     if body is not None:
         headers["Content-Type"] = "application/json"

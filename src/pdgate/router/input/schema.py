@@ -102,6 +102,8 @@ class ClientRequest:
     # The `PickContext` policies see, built by the first leg that chooses an engine and
     # shared by the others (with the prompt hashes it computed): `PickContext.of`.
     pick_context: Any = None
+    # The LoRA adapter `model` names (router/adapters.py `AdapterNeed`), None: the base model.
+    adapter: Any = None
 
     @property
     def stream(self) -> bool:

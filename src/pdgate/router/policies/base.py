@@ -16,10 +16,16 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import msgspec
 
+from pdgate.router.adapters import AdapterNeed
 from pdgate.router.config import ConfigError
 from pdgate.router.input.schema import ClientRequest
 from pdgate.router.policies.kv_events import KVEventIndex
-from pdgate.router.policies.prefix_index import PrefixIndex, block_hashes, text_block_hashes
+from pdgate.router.policies.prefix_index import (
+    PrefixIndex,
+    block_hashes,
+    lora_root,
+    text_block_hashes,
+)
 from pdgate.router.pool import Endpoint
 
 __all__ = [
@@ -52,6 +58,9 @@ class PickContext:
     # prompt, or a chat's messages (rendered by `prompt_text` only when asked for).
     prompt: str | None = None
     messages: Any = None
+    # The request's LoRA adapter (None: the base model): the runner keeps only engines
+    # holding it, and the prompt's block hashes are keyed by it (`lora_root`).
+    adapter: AdapterNeed | None = None
     _hashes: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -66,7 +75,7 @@ class PickContext:
         ctx = req.pick_context = cls(
             req.request_id, req.prompt_token_ids, req.client_headers,
             user if isinstance(user, str) else None, prompt,
-            req.body.get("messages") if req.kind == "chat" else None)
+            req.body.get("messages") if req.kind == "chat" else None, req.adapter)
         return ctx
 
     def prompt_text(self) -> str | None:
@@ -88,7 +97,8 @@ class PickContext:
         found = self._hashes.get(-block_chars)  # negative keys: text, positive: tokens
         if found is None:
             text = self.prompt_text()
-            found = [] if text is None else text_block_hashes(text, block_chars)
+            found = [] if text is None else text_block_hashes(text, block_chars,
+                                                              self._root())
             self._hashes[-block_chars] = found
         return found
 
@@ -98,8 +108,13 @@ class PickContext:
             return []
         found = self._hashes.get(block_size)
         if found is None:
-            found = self._hashes[block_size] = block_hashes(self.prompt_token_ids, block_size)
+            found = self._hashes[block_size] = block_hashes(self.prompt_token_ids, block_size,
+                                                            self._root())
         return found
+
+    def _root(self) -> int:
+        """The first block's parent: the base model's, or the adapter's own."""
+        return lora_root(None if self.adapter is None else self.adapter.name)
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Wire format (vLLM `ZmqEventPublisher`): a ZMQ PUB socket sends 3-frame messages
 `[topic, seq (8-byte big-endian), payload]`; the payload is a msgpack `KVEventBatch`
 `(ts, events, data_parallel_rank?)` whose events are tagged `BlockStored`
-`(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, ...)`,
+`(block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium, lora_name, ...)`,
 `BlockRemoved (block_hashes, medium?)` and `AllBlocksCleared`. vLLM up to 0.2x encodes
 batches and events as positional arrays (tag first); newer vLLM encodes events as maps with a
 `"type"` key. Both are accepted; unknown trailing/extra fields are ignored.
@@ -16,6 +16,9 @@ keeps, per engine, a map engine-hash -> router hashes, so a later `BlockRemoved`
 names engine hashes) can be applied. An engine block of k x the router's block size maps to
 k router blocks; other sizes are ignored (counted as `block_size_mismatch`). A `BlockStored`
 whose parent the router never saw (events lost) is skipped: its chain cannot be placed.
+A chain's first block hangs from its adapter's root (`prefix_index.lora_root` of the event's
+`lora_name`, or of a bare `lora_id`): blocks stored for a LoRA adapter never match a
+base-model request or another adapter's, and the base model's never match an adapter's.
 
 Data-parallel engines (router/dp_ranks.py): each DP rank of a vLLM engine has its own prefix
 cache and publishes on its own socket (rank r binds the configured port + r) with its rank in
@@ -41,7 +44,7 @@ import zmq
 import zmq.asyncio
 
 from pdgate.router.dp_ranks import endpoint_key, rank_endpoint
-from pdgate.router.policies.prefix_index import ROOT_HASH, PrefixIndex, block_hashes
+from pdgate.router.policies.prefix_index import PrefixIndex, block_hashes, lora_root
 
 __all__ = [
     "AllCleared",
@@ -68,6 +71,10 @@ class Stored:
     parent: EngineHash | None
     token_ids: list[int]
     block_size: int
+    # The LoRA adapter the blocks were computed with (vLLM 0.32: `lora_name`; `lora_id`,
+    # deprecated, is the engine's own number for it). None, None: the base model.
+    lora_name: str | None = None
+    lora_id: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +127,8 @@ def decode_batch_ranked(payload: bytes) -> tuple[list[KVEvent], int | None]:
 
 
 _FIELDS = {
-    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size"),
+    "BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size",
+                    "lora_id", "medium", "lora_name"),
     "BlockRemoved": ("block_hashes",),
     "AllBlocksCleared": (),
 }
@@ -133,13 +141,17 @@ def _event(ev: Any) -> KVEvent | None:
         values = [ev.get(name) for name in _FIELDS.get(str(tag), ())]
     elif isinstance(ev, list) and ev:
         tag = ev[0]
-        values = list(ev[1 : 1 + len(_FIELDS.get(str(tag), ()))])
+        wanted = len(_FIELDS.get(str(tag), ()))
+        values = list(ev[1 : 1 + wanted])
+        values += [None] * (wanted - len(values))  # older vLLM: fewer trailing fields
     else:
         return None
     try:
         if tag == "BlockStored":
-            hashes, parent, tokens, size = values
-            return Stored(list(hashes), parent, list(tokens), int(size))
+            hashes, parent, tokens, size, lora_id, _medium, lora_name = values
+            return Stored(list(hashes), parent, list(tokens), int(size),
+                          lora_name if isinstance(lora_name, str) else None,
+                          lora_id if isinstance(lora_id, int) else None)
         if tag == "BlockRemoved":
             return Removed(list(values[0]))
         if tag == "AllBlocksCleared":
@@ -189,8 +201,8 @@ class KVEventIndex:
         if rem or k == 0 or len(ev.token_ids) != len(ev.block_hashes) * ev.block_size:
             self._ignore("block_size_mismatch")
             return
-        if ev.parent is None:
-            parent = ROOT_HASH
+        if ev.parent is None:  # a chain's root: keyed by its adapter, as requests are
+            parent = lora_root(ev.lora_name, ev.lora_id)
         elif (parent_ours := known.get(ev.parent)) is not None:
             parent = parent_ours[-1]
         else:

@@ -21,12 +21,27 @@ Single-threaded: used on the router's event loop only.
 
 from __future__ import annotations
 
+import hashlib
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
-__all__ = ["ROOT_HASH", "PrefixIndex", "block_hashes", "text_block_hashes"]
+__all__ = ["ROOT_HASH", "PrefixIndex", "block_hashes", "lora_root", "text_block_hashes"]
 
 ROOT_HASH = 0x5D6A7E  # the "parent" of a prompt's first block (any fixed int works)
+
+
+def lora_root(adapter: str | None, lora_id: int | None = None) -> int:
+    """The parent of the first block of a prompt served with LoRA `adapter` (None: the
+    base model): the same tokens under another adapter are other KV, so their chains must
+    never meet. vLLM keys its own blocks the same way (the adapter's name is in each block
+    hash). `lora_id` alone (an event from a vLLM that sends no name) gets a root no request
+    has: its blocks can never be credited to the base model or to any adapter. Stable
+    across processes (not `hash()` of a str, which PYTHONHASHSEED changes)."""
+    if adapter is None and lora_id is None:
+        return ROOT_HASH
+    key = f"lora:{adapter}" if adapter is not None else f"lora-id:{lora_id}"
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big",
+                          signed=True)
 
 
 def block_hashes(

@@ -1,7 +1,9 @@
 """The selection runner: candidates -> weighted scorers clamped to [0, 1] -> one picker.
 
 `choose()` is what the orchestrator calls once per leg attempt. It filters the pool (healthy,
-right role, not already tried), raises `NoEndpointAvailable` when nothing is left, then hands
+right role, not already tried, holding the request's LoRA adapter: router/adapters.py, which
+also loads the adapter onto the chosen engine when none holds it), raises
+`NoEndpointAvailable` when nothing is left, then hands
 the rest to a `Selector` (one configured policy): the selector runs the policy's scorers,
 clamps and weighs their outputs, lets the policy pick, times the whole selection, and
 records the prompt's blocks on the chosen engine in the approximate prefix index (that
@@ -102,9 +104,14 @@ async def choose(
         candidates = [ep for ep in candidates if ep not in exclude]
     if not candidates:
         raise NoEndpointAvailable(f"no healthy {role} engine available")
+    need = ctx.adapter
+    if need is not None:  # a LoRA adapter: only engines holding it (or loading it)
+        candidates = need.filter(role, candidates)
     with span("choose_engine", **{"pdgate.role": role,
                                   "pdgate.candidates": len(candidates)}) as traced:
         ep = await selector.select(role, candidates, ctx)
         if traced is not None:
             traced.set_attribute("pdgate.engine", ep.key)
+    if need is not None:
+        await need.ensure(ep)
     return ep

@@ -118,7 +118,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                         "ENGINE_URL=tcp://host:port (repeatable)"),
     ("disagg_min_tokens", int, "prompts shorter than this run on a decode engine alone "
                                "(0: always disaggregate)"),
-    ("enable_lora", bool, "route LoRA adapter requests: learn which engine holds which "
+    ("enable_lora", bool, "route LoRA adapter requests (also on with --load-on-demand or "
+                          "--lora-adapters): learn which engine holds which "
                           "adapter from its /v1/models with each health probe; an adapter "
                           "request goes only to a P and a D that both hold it"),
     ("lora_adapters", list, "a LoRA adapter's source for --load-on-demand, NAME=PATH as "

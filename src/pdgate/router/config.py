@@ -171,6 +171,7 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # LoRA adapters (router/adapters.py, docs/lora.md): learn which engine holds which
     # adapter from its /v1/models with each health probe; how long one load (of a model's
     # `load_on_demand`) may take.
+    # (A model's `load_on_demand` or `lora_adapters` turns learning on too: `lora_on`.)
     enable_lora: bool = False
     lora_load_timeout_s: float = 120.0
     # KV-ready proxy (notify mode): the zmq PULL endpoint this router binds (port 0:
@@ -232,6 +233,14 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     stream_write_timeout_s: float = 30.0
     max_engine_reply_bytes: int = 64 * MIB
     max_sse_line_bytes: int = 4 * MIB
+
+    @property
+    def lora_on(self) -> bool:
+        """Whether the router learns and routes LoRA adapters: `enable_lora`, or any model
+        that may load adapters or names their sources."""
+        if self.enable_lora or self.load_on_demand or self.lora_adapters:
+            return True
+        return any(m.load_on_demand or m.lora_adapters for m in self.models)
 
     @property
     def served_names(self) -> list[str]:
@@ -422,9 +431,6 @@ def _validate_routing(config: RouterConfig) -> None:
 
 
 def _validate_lora(config: RouterConfig) -> None:
-    if (config.load_on_demand or config.lora_adapters) and not config.enable_lora:
-        raise ConfigError("load_on_demand / lora_adapters: set enable_lora too (the router "
-                          "learns which engine holds which adapter)")
     if config.lora_load_timeout_s <= 0:
         raise ConfigError("lora_load_timeout_s: must be > 0")
     for entry in config.lora_adapters:

@@ -158,7 +158,7 @@ async def _serving_state(
         stack.push_async_callback(engines.close)
 
         adapters = AdapterRegistry(engines, metrics, load_timeout_s=config.lora_load_timeout_s) \
-            if config.enable_lora else None
+            if config.lora_on else None
 
         async def probe(ep: Endpoint) -> bool:
             ok = await engines.health(ep.url)

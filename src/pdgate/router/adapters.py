@@ -4,8 +4,9 @@ Learning: with `enable_lora` (`RouterConfig.lora_on`), every health probe that p
 reads the engine's own `GET /v1/models` (`EngineClient.models`, decoded in
 router/engines/): vLLM lists its base model and each LoRA adapter it has loaded, an adapter
 with its `parent` (the base model) and its `root` (the path it was loaded from). The
-engine's adapters are replaced by what it lists, so an adapter unloaded on the engine stops being routed there at the next probe (and
-at once when a leg's 404 says so: `AdapterNeed.forget`). A probe that fails keeps what the
+engine's adapters are replaced by what it lists, so an adapter unloaded on the engine stops
+being routed there at the next probe (and at once when a leg's 404 says so:
+`AdapterNeed.forget`). A probe that fails keeps what the
 router knew: the engine is out of routing anyway until a probe passes.
 
 Models: the registry (`AdapterRegistry`) is one per router, keyed by engine URL; each

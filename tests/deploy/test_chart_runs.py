@@ -4,6 +4,9 @@ Deployments' rendered args and env (secrets from the rendered Secrets, the pod I
 `pdgate shim`, overriding only where they listen, the model (the tiny built-in one on the
 CPU) and the engine URLs (static instead of pod discovery).
 
+A fifth, default values with two router workers, stops the router as Kubernetes does
+(SIGTERM, no preStop hook) and checks the drain the chart configures.
+
 Four renders: default values with notify mode and client keys (shim engines); default
 values with nothing set ("nokey": the chart generates the client key); values-vllm.yaml
 (pull mode) and values-vllm.yaml + values-vllm-push.yaml (push mode), where shims stand in
@@ -15,6 +18,7 @@ chart declares answers without credentials.
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
@@ -340,3 +344,39 @@ def test_probes_and_metrics_answer_without_credentials(deployment: Deployment) -
             assert resp.status_code == 200, (p.name, kind, path, resp.status_code)
         # Prometheus (ServiceMonitor / PodMonitor) scrapes without credentials.
         assert httpx.get(p.url + "/metrics", timeout=10.0).status_code == 200
+
+
+def test_sigterm_drains_for_the_charts_delay_within_its_grace_period(
+    renderer: Renderer, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Deletion as Kubernetes does it with the chart's pod spec: SIGTERM at once (no preStop
+    hook). The readiness probe's path fails within a second or two on every worker, a
+    completion is still served during the drain, and the router exits 0 after the chart's
+    drain delay, inside its grace period."""
+    r = renderer.render(write_values(tmp_path, {"router": {"workers": 2}}))
+    spec = r.one("Deployment", "-router")["spec"]["template"]["spec"]
+    assert "lifecycle" not in spec["containers"][0]
+    grace = spec["terminationGracePeriodSeconds"]
+    d = launch("nokey", r, tmp_path, tiny_model_dir)
+    try:
+        config = yaml.safe_load(Path(d.router.container.args[
+            d.router.container.args.index("--config") + 1]).read_text())
+        drain = config["drain_delay_s"]
+        assert config["workers"] == 2 and drain >= 5
+        probe = d.router.container.probes["readinessProbe"]["httpGet"]["path"]
+        sent = time.monotonic()
+        d.router.popen.send_signal(signal.SIGTERM)
+        failing = 0
+        while failing < 20:  # fresh connections: both workers answer some
+            resp = httpx.get(d.router.url + probe, headers={"Connection": "close"}, timeout=5)
+            failing = failing + 1 if resp.status_code == 503 else 0
+            assert time.monotonic() - sent < 3.0, f"{probe} still {resp.status_code}"
+        assert resp.json()["status"] == "draining"
+        resp = d.completion(d.router.url, d.client_keys[0])
+        assert resp.status_code == 200, f"{resp.text}\n{d.router.tail()}"
+        assert time.monotonic() - sent < drain
+        assert d.router.popen.wait(grace) == 0
+        assert drain <= time.monotonic() - sent <= grace
+    finally:
+        for p in [d.router, *d.engines]:
+            p.stop()

@@ -458,17 +458,21 @@ def test_no_client_key_configured_means_one_is_generated(
 
 
 def test_rollouts_keep_serving(rendered: Rendered) -> None:
-    """The router serves through its preStop delay (its endpoint already not ready) and
-    then has its own shutdown time; replicas spread over nodes; every pool has a PDB."""
+    """SIGTERM at deletion (no preStop hook) starts the router's drain (drain_delay_s:
+    /ready fails first, requests still served; tests/router/test_drain.py), then its own
+    shutdown time, all within the grace period; replicas spread over nodes; every pool has
+    a PDB."""
     router = rendered.one("Deployment", "-router")
     spec = router["spec"]["template"]["spec"]
     c = containers(router)[0]
-    delay = int(c["lifecycle"]["preStop"]["exec"]["command"][1])
-    assert c["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep" and delay >= 5
+    assert "lifecycle" not in c  # a preStop sleep would only add to the drain
     config = yaml.safe_load(rendered.one("ConfigMap", "-router")["data"]["router.yaml"])
     default = {f.name: f.default for f in msgspec.structs.fields(RouterConfig)}
+    delay = config["drain_delay_s"]
+    assert delay >= 5
     shutdown = config.get("shutdown_timeout_s", default["shutdown_timeout_s"])
-    assert spec["terminationGracePeriodSeconds"] >= delay + shutdown
+    # + 5: a --workers parent kills its workers 5 s after drain + shutdown.
+    assert spec["terminationGracePeriodSeconds"] >= delay + shutdown + 5
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     for dep in rendered.of("Deployment"):
         labels = dep["spec"]["template"]["metadata"]["labels"]
@@ -483,6 +487,25 @@ def test_rollouts_keep_serving(rendered: Rendered) -> None:
             assert not any(pdbs[0]["spec"]["selector"]["matchLabels"].items()
                            <= d["spec"]["template"]["metadata"]["labels"].items()
                            for d in others)
+
+
+@pytest.mark.parametrize(("router", "grace"), [
+    ({"drainDelaySeconds": 35}, 50),  # 35 + 10 (shutdown_timeout_s default) + 5 > 45
+    ({"config": {"shutdown_timeout_s": 31}}, 46),  # 10 + 31 + 5
+    ({"config": {"drain_delay_s": 30.5}}, 46),  # router.config wins; seconds rounded up
+])
+def test_a_grace_period_shorter_than_drain_and_shutdown_is_refused(
+    renderer: Renderer, tmp_path: Path, router: dict[str, Any], grace: int
+) -> None:
+    # The chart assumes RouterConfig's shutdown_timeout_s default (_helpers.tpl).
+    default = {f.name: f.default for f in msgspec.structs.fields(RouterConfig)}
+    assert default["shutdown_timeout_s"] == 10.0
+    short = write_values(tmp_path, {"router": router})
+    assert f"router.terminationGracePeriodSeconds: at least {grace}" in renderer.error(short)
+    enough = write_values(tmp_path, {"router": {**router, "terminationGracePeriodSeconds":
+                                                grace}}, "enough.yaml")
+    dep = renderer.render(enough).one("Deployment", "-router")
+    assert dep["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == grace
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,30 @@ async def test_both_workers_serve_one_port_a_dead_one_is_replaced_sigterm_stops_
     for pid in workers:
         assert not Path(f"/proc/{pid}").exists() or \
             Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+async def test_sigterm_drains_every_worker_then_the_tree_exits_0(
+    make_engine: Callable[..., Any], start_tree: Callable[..., Any]
+) -> None:
+    """The parent passes SIGTERM on: every worker's /ready fails at once (20 fresh
+    connections, spread over both), both still serve, and the tree exits 0 after the
+    delay (router/http/drain.py)."""
+    p, d = await make_engine(engine_id="p"), await make_engine(engine_id="d")
+    tree = await start_tree(p, d, "--drain-delay-s", "4")
+    sent = time.monotonic()
+    tree.proc.send_signal(signal.SIGTERM)
+    statuses: list[int] = []
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        while len(statuses) < 20:
+            resp = await client.get(tree.url + "/ready", headers={"Connection": "close"})
+            statuses = [*statuses, resp.status_code] if resp.status_code == 503 else []
+            assert time.monotonic() - sent < 3.0, "a worker still answers /ready 200"
+    replies = [await tree.post(BODY) for _ in range(6)]
+    assert time.monotonic() - sent < 4.0  # all sent while draining
+    assert [r.status_code for r in replies] == [200] * 6
+    assert all(r.headers["connection"] == "close" for r in replies)
+    assert tree.proc.wait(30) == 0
+    assert time.monotonic() - sent >= 4.0
 
 
 async def test_notify_mode_notices_reach_the_worker_that_waits(

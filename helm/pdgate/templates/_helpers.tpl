@@ -187,6 +187,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "prefill_policy" .Values.router.prefillPolicy
   "decode_policy" .Values.router.decodePolicy
   "log_level" .Values.router.logLevel
+  "drain_delay_s" (int .Values.router.drainDelaySeconds)
 -}}
 {{- if .Values.servedModelName -}}
 {{- $_ := set $cfg "served_model_name" .Values.servedModelName -}}
@@ -233,6 +234,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- if and .Values.router.pdb.enabled (not .Values.router.autoscaling.enabled) (ge (int .Values.router.pdb.minAvailable) (int .Values.router.replicas)) -}}
 {{- fail "router.pdb.minAvailable: must be below router.replicas, or no router pod could ever be evicted (drains would hang)" -}}
+{{- end -}}
+{{- $routerCfg := include "pdgate.routerConfig" . | fromYaml -}}
+{{- /* 10: RouterConfig's shutdown_timeout_s default (tests/deploy/test_helm.py checks it) */ -}}
+{{- $shutdown := ternary (index $routerCfg "shutdown_timeout_s") 10 (hasKey $routerCfg "shutdown_timeout_s") -}}
+{{- $stop := add (int (ceil (index $routerCfg "drain_delay_s"))) (int (ceil $shutdown)) 5 -}}
+{{- if lt (int .Values.router.terminationGracePeriodSeconds) (int $stop) -}}
+{{- fail (printf "router.terminationGracePeriodSeconds: at least %d (the drain, drain_delay_s, plus shutdown_timeout_s plus 5 s), or Kubernetes kills the router while requests are still in flight" (int $stop)) -}}
 {{- end -}}
 {{- if and .Values.router.ingress.enabled (not .Values.router.ingress.host) -}}
 {{- fail "router.ingress.host: set the host name the ingress serves" -}}

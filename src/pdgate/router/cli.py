@@ -99,6 +99,9 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("max_connections", int, "max pooled connections to all engines together"),
     ("engine_keepalive_s", float, "seconds an idle engine connection is kept open"),
     ("max_body_bytes", int, "largest accepted request body in bytes (larger: 413)"),
+    ("drain_delay_s", float, "seconds the router drains on SIGTERM before shutting down: "
+                             "/ready answers 503 while requests are still served (0: shut "
+                             "down at once; router/http/drain.py)"),
     ("shutdown_timeout_s", float, "seconds to let in-flight requests finish on shutdown"),
     ("log_level", str, "log severity (`warn` = warning)"),
     ("log_format", str, "log lines as text or as one JSON object each (with the request id; "
@@ -242,7 +245,8 @@ _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                   "cors_allowed_origins")),
     ("observability", ("log_level", "log_format", "otlp_traces_endpoint",
                        "request_id_headers")),
-    ("deployment", ("host", "port", "workers", "shutdown_timeout_s")),
+    ("deployment", ("host", "port", "workers", "drain_delay_s",
+                    "shutdown_timeout_s")),
 )
 # List flags taking several values in one occurrence (vllm-router's spelling), still
 # repeatable; the rest take one value per occurrence.
@@ -361,8 +365,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(argv)
         from pdgate.router.http.app import create_app  # after parsing: --help stays fast
+        from pdgate.router.http.drain import Drain
 
-        app = create_app(config)  # validates every setting before anything is served
+        drain = Drain()
+        app = create_app(config, drain=drain)  # validates every setting before serving
     except ConfigError as exc:
         print(f"pdgate router: error: {exc}", file=sys.stderr)
         return 2
@@ -373,4 +379,4 @@ def main(argv: list[str] | None = None) -> int:
 
         setup_process_logging(config)
         return run_workers(config)  # each worker builds its own app
-    return serve(config, app=app)
+    return serve(config, app=app, drain=drain)

@@ -143,6 +143,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_connections: int = 1024
     engine_keepalive_s: float = 4.0
     max_body_bytes: int = 4 * MIB
+    # On SIGTERM: /ready fails and requests are still served this long, then the graceful
+    # shutdown (router/http/drain.py). 0 keeps a bare `pdgate router` quick to stop; the
+    # chart sets router.drainDelaySeconds.
+    drain_delay_s: float = 0.0
     shutdown_timeout_s: float = 10.0
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     log_format: Literal["text", "json"] = "text"  # router/logs.py
@@ -318,6 +322,9 @@ def validate_config(config: RouterConfig, policy_names: frozenset[str]) -> Route
     _validate_routing(config)
     _validate_notify(config)
     _validate_resilience(config)
+    for field in ("drain_delay_s", "shutdown_timeout_s"):
+        if getattr(config, field) < 0:
+            raise ConfigError(f"{field}: must be >= 0")
     for field in ("prefill_dp_size", "decode_dp_size"):
         if getattr(config, field) < 0:
             raise ConfigError(f"{field}: must be >= 0 (0: learn it from the engine)")

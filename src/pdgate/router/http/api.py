@@ -27,6 +27,7 @@ from pdgate.router.admission import Admission
 from pdgate.router.config import RouterConfig
 from pdgate.router.errors import ModelNotFound, Overloaded, RouterError, error_json
 from pdgate.router.http.client_deadlines import header_value, read_body_within
+from pdgate.router.http.drain import Drain
 from pdgate.router.http.relay_response import DisconnectWatch, RelayResponse
 from pdgate.router.http.routes import RouteTable
 from pdgate.router.input.limits import InputLimits
@@ -288,8 +289,9 @@ def _json_response(obj: Any, status: int = 200) -> Response:
     return Response(_json(obj), status, media_type="application/json")
 
 
-def install_routes(table: RouteTable, holder: StateHolder) -> None:
-    """Declare the OpenAI routes and the operational endpoints in `table`."""
+def install_routes(table: RouteTable, holder: StateHolder, drain: Drain | None = None) -> None:
+    """Declare the OpenAI routes and the operational endpoints in `table`. `drain`: this
+    process's drain (router/http/drain.py): `/ready` answers 503 while it is on."""
     for path, kind in (("/v1/completions", "completion"), ("/v1/chat/completions", "chat")):
         table.add("POST", path, _completion_handler(holder, kind, path))
 
@@ -344,6 +346,8 @@ def install_routes(table: RouteTable, holder: StateHolder) -> None:
         }
         if name is not None or len(table.models) > 1:
             body["models"] = {m.name: m.ready_body() for m in chosen}
+        if drain is not None and drain.active:  # shutting down: fail first, serve on
+            return _json_response({**drain.status(), **body}, 503)
         if all(m.pool.ready() for m in chosen):
             return _json_response({"status": "ready", **body})
         return _json_response({"status": "not ready", **body}, 503)

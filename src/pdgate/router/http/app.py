@@ -39,6 +39,7 @@ from pdgate.router.http.admin import install_admin_routes
 from pdgate.router.http.api import RouterState, StateHolder, install_routes
 from pdgate.router.http.auth import AuthMiddleware
 from pdgate.router.http.dashboard import install_dashboard
+from pdgate.router.http.drain import Drain
 from pdgate.router.http.passthrough import install_passthrough
 from pdgate.router.http.routes import RouterApp, RouteTable
 from pdgate.router.input.limits import InputLimits
@@ -64,6 +65,7 @@ def create_app(
     registry: CollectorRegistry | None = None,
     tokenizer: PromptTokenizer | None = None,
     tokenizers: Mapping[str, PromptTokenizer] | None = None,
+    drain: Drain | None = None,
 ) -> RouterApp:
     """Build the router ASGI app for `config`.
 
@@ -71,6 +73,7 @@ def create_app(
     `tokenizer`: a preloaded tokenizer for the first model (tests share one); `tokenizers`:
     preloaded ones by a model's `model` field. Default: each model loads its
     `tokenizer_source` here, when a feature configured for it reads prompt tokens.
+    `drain`: the serving process's drain (router/http/drain.py), shown by `/ready`.
     Raises `ConfigError` for invalid settings or a needed tokenizer that cannot load.
     """
     validate_config(config, POLICY_NAMES)
@@ -103,7 +106,7 @@ def create_app(
     # Every route the router serves is declared in this one table (router/http/routes.py);
     # each passes the same middlewares.
     table = RouteTable()
-    install_routes(table, holder)
+    install_routes(table, holder, drain)
     install_passthrough(table, holder)  # embeddings, tokenize, ...: one engine, no P/D
     dashboard = install_dashboard(table, holder)
     if config.admin_api_key:

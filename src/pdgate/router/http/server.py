@@ -1,5 +1,6 @@
 """Serving the router app in this process: uvicorn with the router's server protocol
-(client deadlines, the pending-connection cap), graceful shutdown and a quiet collector.
+(client deadlines, the pending-connection cap), the drain on SIGTERM
+(router/http/drain.py), graceful shutdown and a quiet collector.
 `pdgate router` calls it once; each `--workers` worker calls it on its own socket."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 from pdgate.router.config import RouterConfig
 from pdgate.router.http.app import create_app
 from pdgate.router.http.client_deadlines import header_deadline_protocol
+from pdgate.router.http.drain import Drain, DrainingServer
 from pdgate.router.logs import setup_logging
 
 __all__ = ["serve", "setup_process_logging"]
@@ -22,17 +24,20 @@ def setup_process_logging(config: RouterConfig) -> None:
     setup_logging(config.log_level, config.log_format)
 
 
-def serve(config: RouterConfig, *, app: Any = None, sock: socket.socket | None = None,
-          worker: int | None = None) -> int:
-    """Serve `config` until SIGINT/SIGTERM: on `config.host`/`config.port`, or on `sock`
-    (bound, not yet listening: a `--workers` worker's SO_REUSEPORT socket). `worker` is that
-    worker's index, sent back in the `X-Pdgate-Worker` response header. `app`: the router
-    app already built for `config` (default: build it here)."""
+def serve(config: RouterConfig, *, app: Any = None, drain: Drain | None = None,
+          sock: socket.socket | None = None, worker: int | None = None) -> int:
+    """Serve `config` until SIGINT/SIGTERM (SIGTERM: after `config.drain_delay_s` of
+    draining): on `config.host`/`config.port`, or on `sock` (bound, not yet listening: a
+    `--workers` worker's SO_REUSEPORT socket). `worker` is that worker's index, sent back in
+    the `X-Pdgate-Worker` response header. `app`: the router app already built for `config`
+    with `drain` (default: build both here)."""
     import uvicorn
 
     setup_process_logging(config)
     if app is None:
-        app = create_app(config)
+        drain = Drain()
+        app = create_app(config, drain=drain)
+    drain = drain or Drain()
     if worker is not None:
         app = _WorkerHeader(app, worker)
     # uvicorn re-raises the SIGINT/SIGTERM it caught once its graceful shutdown is done,
@@ -40,7 +45,7 @@ def serve(config: RouterConfig, *, app: Any = None, sock: socket.socket | None =
     # requested shutdown exits 0 instead of dying by signal or with a KeyboardInterrupt.
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: None)
-    server = uvicorn.Server(uvicorn.Config(
+    server = DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, loop="auto",
         http=header_deadline_protocol(config.header_timeout_s,
                                       config.max_pending_connections),
@@ -49,7 +54,7 @@ def serve(config: RouterConfig, *, app: Any = None, sock: socket.socket | None =
         # Nothing in the router reads the client address or scheme that uvicorn's proxy
         # headers middleware rewrites: it would be one more layer on every request.
         proxy_headers=False,
-    ))
+    ), drain, config.drain_delay_s)
     _quiet_gc()
     # asyncio's create_server listens on `sock` once the lifespan is up: until then the
     # kernel sends this port's connections to the workers already serving.

@@ -19,8 +19,10 @@ What is per worker:
   scrape shows the whole pod; the response header `X-Pdgate-Worker` says which one served
   a request (index 0..N-1).
 
-Supervision: SIGTERM/SIGINT to the parent stop every worker gracefully (each gets SIGTERM
-and `shutdown_timeout_s` to finish its requests, then SIGKILL) and the parent exits 0. A
+Supervision: SIGTERM/SIGINT to the parent stop every worker gracefully (each gets SIGTERM,
+so each drains for `drain_delay_s` as a single router does (router/http/drain.py), then
+has `shutdown_timeout_s` to finish its requests; SIGKILL 5 s after both) and the parent
+exits 0. A
 worker that dies on its own is restarted after a backoff that doubles from 0.5 s up to
 30 s, and resets once a worker has served for a minute; the parent itself keeps running.
 Workers get SIGTERM if the parent dies (Linux parent-death signal).
@@ -153,7 +155,8 @@ class _Supervisor:
         for proc in live:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + self._config.shutdown_timeout_s + 5.0
+        deadline = (time.monotonic() + self._config.drain_delay_s
+                    + self._config.shutdown_timeout_s + 5.0)
         for proc in live:
             try:
                 proc.wait(max(0.0, deadline - time.monotonic()))

@@ -105,7 +105,9 @@ class Proc:
 
     def stop(self) -> None:
         if self.popen.poll() is None:
-            self.popen.terminate()
+            # SIGINT: the graceful shutdown without the router's drain (the chart's 10 s);
+            # the drain itself is test_sigterm_drains_for_the_charts_delay_... below.
+            self.popen.send_signal(signal.SIGINT)
             try:
                 self.popen.wait(timeout=20)
             except subprocess.TimeoutExpired:

@@ -3,7 +3,9 @@ nothing to complain about, and the series an operator builds alerts on are there
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -13,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdgate.router import __version__ as pdgate_version
 from pdgate.router.health import EngineHealth, HealthSettings
 from pdgate.router.metrics import RouterMetrics
-from tests.e2e.cluster import Cluster
+from tests.e2e.cluster import Cluster, child_pids
 from tests.observability.promtool import check_metrics
 
 pytestmark = pytest.mark.slow
@@ -108,6 +110,36 @@ def test_router_exports_build_process_and_breaker_series(cluster: Cluster) -> No
         for url in urls:
             assert got[("pdgate_engine_breaker_state",
                         frozenset({("engine", url), ("role", role)}))] == 0
+
+
+def _start_time_s(pid: int) -> float:
+    """A process' start time in seconds since the epoch, from /proc as Prometheus' process
+    collector computes it (boot time + start ticks / clock ticks per second)."""
+    boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime "))
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("who", ["prefill", "decode"])
+def test_shims_export_their_own_process_series(cluster: Cluster, who: str) -> None:
+    """Each shim's scrape carries `process_*` series of that shim's process: its start
+    time is the one /proc gives the process listening on the shim's port."""
+    url = {"prefill": cluster.prefill[0], "decode": cluster.decode[0]}[who]
+    got = samples(scrape(url))
+    names = {name for name, _ in got}
+    assert {"process_resident_memory_bytes", "process_virtual_memory_bytes",
+            "process_open_fds", "process_max_fds", "process_cpu_seconds_total",
+            "process_start_time_seconds"} <= names
+    port = url.rsplit(":", 1)[1]
+    pids = [pid for pid in child_pids(cluster.proc.pid)
+            if port.encode() in Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[2:]
+            and b"shim" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert len(pids) == 1, pids
+    assert abs(got[("process_start_time_seconds", frozenset())] - _start_time_s(pids[0])) < 1
+    assert got[("process_resident_memory_bytes", frozenset())] > 50 * 2**20  # torch + model
+    assert got[("process_open_fds", frozenset())] > 0
+    assert got[("process_cpu_seconds_total", frozenset())] > 0
 
 
 def test_breaker_state_follows_the_breaker_at_scrape_time() -> None:

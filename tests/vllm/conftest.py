@@ -59,10 +59,16 @@ class VllmCluster:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The push module first: it starts its own engines (module scope) and stops them at
-    its end, before the session's pull engines exist (both sets at once on a 2-core
-    machine stall each other past the tests' deadlines)."""
-    items.sort(key=lambda item: item.get_closest_marker("vllm_push") is None)
+    """The push module first, then the modules that set `OWN_ENGINES` (test_vllm_chart.py):
+    each starts its own engines (module scope) and stops them at its end, before the
+    session's pull engines exist (both sets at once on a 2-core machine stall each other
+    past the tests' deadlines)."""
+    def group(item: pytest.Item) -> int:
+        if item.get_closest_marker("vllm_push") is not None:
+            return 0
+        return 1 if getattr(getattr(item, "module", None), "OWN_ENGINES", False) else 2
+
+    items.sort(key=group)
 
 
 @pytest.fixture(scope="session")

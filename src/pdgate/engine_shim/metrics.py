@@ -6,13 +6,17 @@ duration) carry a `model` label, the served model name the request asked for (th
 router splits them with `sum by (model)`; the series about the engine itself (KV blocks,
 transfers, handshakes, the transport probe) carry none. Record a request's series through
 `ShimMetrics.series(model)`, which hands out pre-bound children (no label lookup per token).
+
+Also on the registry: the process' own `process_*` series (resident and virtual memory, CPU
+seconds, open and max fds, start time: prometheus_client's ProcessCollector, read from
+/proc at scrape time), as on the router.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from pdgate.common.metrics_registry import NoCreatedRegistry
 
@@ -104,6 +108,7 @@ class ShimMetrics:
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ShimMetrics:
         reg = registry if registry is not None else NoCreatedRegistry()
+        ProcessCollector(registry=reg)
         return cls(
             registry=reg,
             requests=Counter(_P + "requests", "Requests served", ["model", "role", "status"],

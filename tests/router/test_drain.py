@@ -21,7 +21,7 @@ from tests.router.fake_engine import FakeEngine
 from tests.router.test_config import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-DRAIN_S = 3.0
+DRAIN_S = 6.0  # long enough for the checks inside it on a loaded 2-core machine
 BODY = {"model": "tiny", "prompt": "x", "max_tokens": 3}
 
 
@@ -64,8 +64,9 @@ async def test_sigterm_fails_ready_first_serves_through_the_delay_then_exits_0(
     tiny_model_dir: Path, make_engine: Callable[..., Awaitable[FakeEngine]],
     router_procs: list[asyncio.subprocess.Process],
 ) -> None:
-    # D streams a token every 1.5 s: a stream started before SIGTERM outlives the drain.
-    p, d = await make_engine(), await make_engine(token_delay_s=1.5)
+    # D streams a token every 4 s: a stream started before SIGTERM outlives the drain, so
+    # the graceful shutdown after it lets the stream finish.
+    p, d = await make_engine(), await make_engine(token_delay_s=4.0)
     proc, url = await _router(tiny_model_dir, p, d, "--drain-delay-s", str(DRAIN_S))
     router_procs.append(proc)
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
@@ -87,9 +88,8 @@ async def test_sigterm_fails_ready_first_serves_through_the_delay_then_exits_0(
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
 
-        ready = await _until_draining(url, within_s=2.0)
+        ready = await _until_draining(url, within_s=5.0)
         assert ready.status_code == 503, ready.text
-        assert time.monotonic() - sent < 2.0
         body = ready.json()
         assert body["status"] == "draining" and "SIGTERM" in body["reason"]
         assert (body["prefill_healthy"], body["decode_healthy"]) == (1, 1)
@@ -97,8 +97,8 @@ async def test_sigterm_fails_ready_first_serves_through_the_delay_then_exits_0(
         assert (await client.get("/health")).status_code == 200  # alive: no restart
 
         # A new request during the delay is served, on a connection it then closes.
+        assert time.monotonic() - sent < DRAIN_S  # sent while draining
         resp = await client.post("/v1/completions", json=BODY)
-        assert time.monotonic() - sent < DRAIN_S  # it was sent while draining
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["text"] == "Hello world!"
         assert resp.headers["connection"] == "close"
@@ -123,7 +123,7 @@ async def test_a_second_signal_cuts_the_drain_short(
     async with httpx.AsyncClient(base_url=url, timeout=30) as client:
         await wait_until_ready(client, proc)
     proc.send_signal(signal.SIGTERM)
-    assert (await _until_draining(url, within_s=2.0)).status_code == 503
+    assert (await _until_draining(url, within_s=5.0)).status_code == 503
     proc.send_signal(second)
     assert await asyncio.wait_for(proc.wait(), 30) == 0  # not the 120 s
 

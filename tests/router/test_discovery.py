@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from pdgate.router.config import ConfigError, RouterConfig, validate_config
+from pdgate.router.config import ConfigError, ModelConfig, RouterConfig, validate_config
 from pdgate.router.discovery import ApiServer, PodWatcher, WatchSpec
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import POLICIES
@@ -446,3 +446,47 @@ def test_pool_remove_and_drain() -> None:
     assert pool.healthy("prefill") == [p1] and not p1.draining
     assert pool.drain("http://p1:1") and pool.endpoints("prefill") == []  # idle: at once
     assert not pool.drain("http://nowhere:1")
+
+
+async def test_each_model_finds_its_pods_by_their_model_label(
+    api: FakeApiServer, make_engine: Callable[..., Any], tokenizer: Any,
+) -> None:
+    """Two models under `models:` with `discovery: k8s` and no selectors: each model's pool
+    is the ready pods labelled with its name and role (router/config.py `model_configs`)."""
+    p, d, other = [await make_engine(engine_id=n) for n in ("P", "D", "B")]
+
+    def port(engine: FakeEngine) -> int:
+        return int(engine.url.rsplit(":", 1)[1])
+
+    config = RouterConfig(discovery="k8s", namespace=NS, k8s_api_url=api.url,
+                          health_interval_s=3600.0, models=[
+        ModelConfig(model="alpha", prefill_port=port(p), decode_port=port(d)),
+        ModelConfig(model="beta", pd_mode="colocated", decode_port=port(other)),
+    ])
+
+    def pod(name: str, role: str, model: str) -> dict[str, Any]:
+        made = make_pod(name, role, "127.0.0.1")
+        made["metadata"]["labels"]["pdgate.io/model"] = model
+        return made
+
+    async with serve(config, tokenizer) as router:
+        assert (await router.client.get("/ready")).status_code == 503
+        await api.put(pod("alpha-prefill-0", "prefill", "alpha"))
+        await api.put(pod("alpha-decode-0", "decode", "alpha"))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FOLLOW_S
+        while (await router.client.get("/ready?model=alpha")).status_code != 200:
+            assert loop.time() < deadline, "alpha's pods not picked up"
+            await asyncio.sleep(0.01)
+        beta = await router.client.get("/ready?model=beta")
+        assert beta.status_code == 503 and beta.json()["models"]["beta"]["decode_healthy"] == 0
+        await api.put(pod("beta-decode-0", "decode", "beta"))
+        while (await router.client.get("/ready")).status_code != 200:
+            assert loop.time() < deadline + FOLLOW_S, "beta's pod not picked up"
+            await asyncio.sleep(0.01)
+        for model, engine in (("alpha", d), ("beta", other)):
+            reply = await router.client.post(
+                "/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 3})
+            assert reply.status_code == 200, reply.text
+            assert reply.headers["X-Pdgate-Decode-Engine"] == engine.url
+        assert len(p.prefills) == 1 and [len(d.decodes), len(other.decodes)] == [1, 1]

@@ -70,7 +70,8 @@ async def test_each_request_reaches_only_its_models_engines(
     # The alias went to the engines under the first served name; beta never saw P/D.
     assert engines_seen(pa, da, db) == [("PA", "alpha", True), ("DA", "alpha", False),
                                         ("DB", "beta", False)]
-    assert router.metric("pdgate_disagg_decisions_total", {"reason": "colocated"}) == 1
+    assert router.metric("pdgate_disagg_decisions_total",
+                         {"model": "beta", "reason": "colocated"}) == 1
 
 
 async def test_unknown_model_is_404_model_not_found(
@@ -149,3 +150,42 @@ async def _ready_becomes(router: RunningRouter, status: int) -> None:
             return
         await asyncio.sleep(0.025)
     raise AssertionError(f"/ready never answered {status}")
+
+
+async def test_series_carry_the_model_and_one_engine_serves_both(
+    make_engine: Callable[..., Awaitable[FakeEngine]], start_models: Start,
+) -> None:
+    """With several models every per-request and per-engine series has a `model` label
+    (requests refused before a model is known: model ""); one engine URL in both models'
+    pools is one series per model."""
+    p = await make_engine(engine_id="P")
+    shared = await make_engine(engine_id="D")
+    router = await start_models([
+        ModelConfig(model="alpha", prefill=[p.url], decode=[shared.url]),
+        ModelConfig(model="beta", decode=[shared.url], pd_mode="colocated"),
+    ])
+    for model in ("alpha", "beta", "beta"):
+        r = await router.client.post("/v1/completions", json={"model": model, "prompt": "x"})
+        assert r.status_code == 200, r.text
+    assert (await router.client.post("/v1/completions", json={
+        "model": "gamma", "prompt": "x"})).status_code == 404
+    route = "/v1/completions"
+    count = router.metric
+    assert count("pdgate_requests_total",
+                 {"model": "alpha", "route": route, "status": "200"}) == 1
+    assert count("pdgate_requests_total",
+                 {"model": "beta", "route": route, "status": "200"}) == 2
+    assert count("pdgate_requests_total", {"model": "", "route": route, "status": "404"}) == 1
+    assert count("pdgate_disagg_decisions_total", {"model": "beta", "reason": "colocated"}) == 2
+    assert count("pdgate_disagg_decisions_total", {"model": "alpha", "reason": "disagg"}) == 1
+    assert count("pdgate_prefill_duration_seconds_count", {"model": "alpha"}) == 1
+    for model in ("alpha", "beta"):
+        assert count("pdgate_engine_healthy",
+                     {"model": model, "engine": shared.url, "role": "decode"}) == 1
+        assert count("pdgate_ttft_seconds_count", {"model": model, "mode": "disagg"
+                     if model == "alpha" else "direct"}) == (1 if model == "alpha" else 2)
+    assert [r.body["model"] for r in shared.decodes] == ["alpha", "beta", "beta"]
+    page = (await router.client.get("/dashboard/state")).json()
+    assert sorted((e["model"], e["role"]) for e in page["engines"]) == [
+        ("alpha", "decode"), ("alpha", "prefill"), ("beta", "decode")]
+    assert page["models"] == {"alpha": "pull", "beta": "colocated"}

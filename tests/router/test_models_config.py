@@ -97,3 +97,17 @@ def test_models_from_the_environment_and_the_flag(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("PDGATE_MODELS", "[{not json")
     with pytest.raises(ConfigError, match="PDGATE_MODELS: invalid JSON"):
         config_from_args([])
+
+
+def test_k8s_discovery_finds_each_models_pods_by_their_labels(tmp_path: Path) -> None:
+    text = ("discovery: k8s\nk8s_api_url: http://api:8080\nmodels:\n"
+            " - model: org/big\n   served_model_name: [big]\n"
+            " - model: small\n   pd_mode: colocated\n   decode_selector: app=mine\n"
+            " - model: org/odd\n   pd_mode: colocated\n")
+    with pytest.raises(ConfigError, match=r"models\[2\] \(org/odd\): decode_selector: a label "
+                       "selector is required"):
+        load(tmp_path, text)
+    big, small = load(tmp_path, text.rsplit(" - model: org/odd", 1)[0])
+    assert big.prefill_selector == "pdgate.io/role=prefill,pdgate.io/model=big"
+    assert big.decode_selector == "pdgate.io/role=decode,pdgate.io/model=big"
+    assert small.decode_selector == "app=mine"

@@ -18,6 +18,8 @@ from pdgate.router.engine_urls import engine_url_problem
 
 __all__ = [
     "REQUEST_ID_HEADERS",
+    "MODEL_LABEL",
+    "ROLE_LABEL",
     "ConfigError",
     "ModelConfig",
     "PdMode",
@@ -351,6 +353,10 @@ def validate_config(config: RouterConfig, policy_names: frozenset[str]) -> Route
     return config
 
 
+# Engine pods' labels that k8s discovery selects a model's pods by (router/discovery.py).
+ROLE_LABEL = "pdgate.io/role"
+MODEL_LABEL = "pdgate.io/model"
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 # A model's own settings: with `models:` they are set per model, never at the top level.
 _MODEL_OWN = ("model", "served_model_name", "engine_model_name", "tokenizer", "max_model_len",
               "prefill", "decode", "prefill_selector", "decode_selector", "load_on_demand",
@@ -359,13 +365,20 @@ _MODEL_OWN = ("model", "served_model_name", "engine_model_name", "tokenizer", "m
 
 def model_configs(config: RouterConfig) -> list[RouterConfig]:
     """One one-model config per served model: `config` itself without `models`, else each
-    entry of `models` over the top-level settings (its unset fields inherit them)."""
+    entry of `models` over the top-level settings (its unset fields inherit them). With
+    `discovery: k8s`, a model without selectors finds its pods by their labels:
+    `pdgate.io/role=<role>,pdgate.io/model=<first served name>`."""
     if not config.models:
         return [config]
     derived = []
     for entry in config.models:
         changes = {name: value for name in entry.__struct_fields__
                    if (value := getattr(entry, name)) is not msgspec.UNSET}
+        label = (entry.served_model_name or [entry.model])[0]
+        if config.discovery == "k8s" and _LABEL_VALUE.fullmatch(label):
+            for role in ("prefill", "decode"):
+                if not changes[f"{role}_selector"]:
+                    changes[f"{role}_selector"] = f"{ROLE_LABEL}={role},{MODEL_LABEL}={label}"
         derived.append(msgspec.structs.replace(config, models=[], **changes))
     return derived
 
@@ -454,7 +467,9 @@ def _validate_discovery(config: RouterConfig) -> None:
             if field == "prefill_selector" and config.pd_mode == "colocated":
                 continue
             if not getattr(config, field).strip():
-                raise ConfigError(f"{field}: a label selector is required with discovery k8s")
+                raise ConfigError(f"{field}: a label selector is required with discovery k8s "
+                                  f"(under `models`: default {ROLE_LABEL}=ROLE,{MODEL_LABEL}="
+                                  "NAME when the first served name is a label value)")
         if config.k8s_api_url is not None and not config.k8s_api_url.startswith(
             ("http://", "https://")
         ):

@@ -1,5 +1,9 @@
 """Kubernetes engine discovery: keep the pool's engines equal to the ready pods by label.
 
+Each model of the router runs its own discovery with its own selectors; under `models:`
+they default to the pods' `pdgate.io/role` and `pdgate.io/model` labels (router/config.py
+`model_configs`), so one Deployment per model and role is found by its labels alone.
+
 One `PodWatcher` per role does what a client-go reflector does, over plain HTTP (httpx,
 the router's control-plane client; no kubernetes client library):
 
@@ -310,12 +314,12 @@ class KubernetesDiscovery:
                                              cafile=str(api.ca_file))
         # No proxy from the environment: the API server is reached directly, as before.
         client = httpx.AsyncClient(verify=verify, trust_env=False)
-        specs = (
+        specs = [
             WatchSpec("prefill", config.prefill_selector, config.prefill_port,
                       config.engine_scheme),
             WatchSpec("decode", config.decode_selector, config.decode_port,
                       config.engine_scheme),
-        )
+        ][1 if config.pd_mode == "colocated" else 0:]  # colocated: no prefill pods
         watchers = [PodWatcher(client, api, spec, pool, watch_timeout_s=watch_timeout_s)
                     for spec in specs]
         log.info("watching pods in namespace %s via %s", api.namespace, api.url)

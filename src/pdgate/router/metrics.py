@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 import msgspec
@@ -56,7 +56,13 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32
 _DATA = b"data: "
 # pdgate_engine_breaker_state's values (health.BreakerState.value -> number).
 BREAKER_STATE_VALUES = {"closed": 0, "open": 1, "half-open": 2}
-COMMIT_ENV = "PDGATE_COMMIT"  # set by the Dockerfile's build argument of the same name
+COMMIT_ENV = "PDGATE_COMMIT"
+# The families that carry a leading `model` label when the router serves several models.
+_BY_MODEL = ("requests", "request_duration", "ttft", "inter_token_latency", "prefill_duration",
+             "fallbacks", "retries", "disagg_decisions", "engine_healthy", "engine_in_flight",
+             "policy_duration", "prefix_lookup_blocks", "prefix_hit_blocks",
+             "prefix_index_entries", "kv_event_batches", "kv_event_gaps", "breaker_opened",
+             "engine_breaker_state")  # set by the Dockerfile's build argument of the same name
 
 
 class _Breaker(Protocol):
@@ -127,16 +133,44 @@ class RouterMetrics:
     # reason (request_id | kv_params: the answer named another request; prompt_ids |
     # first_token: P's early first token failed its check, the plain flow ran)
     engine_answers_refused: FastCounter
+    # The model this view counts for (`for_model`); None: the router's own view (requests
+    # refused before their model is known count under model "").
+    model: str | None = None
+    # Families with a leading `model` label: every per-request and per-engine family of a
+    # router serving several models; none for one model (its series stay as they were).
+    _model_families: frozenset[int] = field(default=frozenset(), repr=False)
     _children: dict[tuple[int, tuple[str, ...]], Any] = field(default_factory=dict, repr=False)
 
     def child(self, metric: MetricFamily[C], *labels: str) -> C:
         """`metric.labels(*labels)`, cached: label values on the hot path come from small
-        fixed sets (routes, statuses, reasons); one dict lookup, no label conversion."""
+        fixed sets (routes, statuses, reasons); one dict lookup, no label conversion. The
+        view's model goes first where the family has a model label; an unlabelled family
+        is its own child."""
         key = (id(metric), labels)
         found = self._children.get(key)
         if found is None:
-            found = self._children[key] = metric.labels(*labels)
+            found = self._children[key] = self.labels(metric, *labels)
         return found  # type: ignore[no-any-return]
+
+    def labels(self, metric: MetricFamily[C], *labels: str) -> C:
+        """`child` uncached: for series made once per engine (gauges, breakers)."""
+        if id(metric) in self._model_families:
+            labels = (self.model or "", *labels)
+        if not labels:
+            return metric  # type: ignore[return-value]  # observe()/inc() on the family
+        return metric.labels(*labels)
+
+    def remove(self, metric: MetricFamily[C], *labels: str) -> None:
+        """Forget one series of `metric` (KeyError when absent), this view's model first
+        where the family has a model label."""
+        if id(metric) in self._model_families:
+            labels = (self.model or "", *labels)
+        metric.remove(*labels)
+
+    def for_model(self, name: str) -> RouterMetrics:
+        """The view one model's pool, routing and flows record through: the same families,
+        with `name` as their model label (a router serving several models)."""
+        return replace(self, model=name, _children={})
 
     def observe_ttft(self, mode: str, arrival: float, now: float | None = None) -> None:
         """Record one request's time to first token: from `arrival` (`time.perf_counter()`
@@ -194,7 +228,7 @@ class RouterMetrics:
         """Export `breaker`'s state as `pdgate_engine_breaker_state{engine,role}`, read at
         each scrape (the pool calls this when it gives an engine its breaker; remove the
         series with the engine's other gauges)."""
-        self.engine_breaker_state.labels(engine, role).set_function(
+        self.labels(self.engine_breaker_state, engine, role).set_function(
             lambda: BREAKER_STATE_VALUES[breaker.state.value])
 
     @staticmethod
@@ -203,27 +237,29 @@ class RouterMetrics:
         return NoCreatedRegistry()
 
     @classmethod
-    def create(cls, registry: CollectorRegistry) -> RouterMetrics:
+    def create(cls, registry: CollectorRegistry, *, by_model: bool = False) -> RouterMetrics:
         """Register all metrics on `registry` (one registry per app), with the build info
-        and this process' `process_*` series."""
+        and this process' `process_*` series. `by_model` (a router serving several
+        models): every per-request and per-engine family gets a leading `model` label."""
         r = registry
+        m = ["model"] if by_model else []
         build = FastGauge("pdgate_build_info", "pdgate version and commit (always 1)",
                           ["version", "commit"], registry=r)
         build.labels(__version__, os.environ.get(COMMIT_ENV) or "unknown").set(1)
         ProcessCollector(registry=r)
-        return cls(
+        families = cls(
             requests=FastCounter(
-                "pdgate_requests", "HTTP requests by route and status", ["route", "status"],
+                "pdgate_requests", "HTTP requests by route and status", [*m, "route", "status"],
                 registry=r,
             ),
             request_duration=FastHistogram(
-                "pdgate_request_duration_seconds", "End-to-end request time", ["route"],
+                "pdgate_request_duration_seconds", "End-to-end request time", [*m, "route"],
                 buckets=_DURATION_BUCKETS, registry=r,
             ),
             ttft=FastHistogram(
                 "pdgate_ttft_seconds",
                 "Request arrival at the router to the first byte from the decode engine",
-                ["mode"], buckets=_LATENCY_BUCKETS, registry=r,
+                [*m, "mode"], buckets=_LATENCY_BUCKETS, registry=r,
             ),
             admission_wait=FastHistogram(
                 "pdgate_admission_wait_seconds",
@@ -240,14 +276,14 @@ class RouterMetrics:
             ),
             inter_token_latency=FastHistogram(
                 "pdgate_inter_token_latency_seconds", "Gap between streamed decode chunks",
-                buckets=_ITL_BUCKETS, registry=r,
+                m, buckets=_ITL_BUCKETS, registry=r,
             ),
             prefill_duration=FastHistogram(
                 "pdgate_prefill_duration_seconds", "Prefill leg round trip",
-                buckets=_LATENCY_BUCKETS, registry=r,
+                m, buckets=_LATENCY_BUCKETS, registry=r,
             ),
             fallbacks=FastCounter(
-                "pdgate_fallbacks", "Decode legs run without KV from prefill", ["reason"],
+                "pdgate_fallbacks", "Decode legs run without KV from prefill", [*m, "reason"],
                 registry=r,
             ),
             lora_loads=FastCounter(
@@ -256,45 +292,45 @@ class RouterMetrics:
                 registry=r,
             ),
             retries=FastCounter(
-                "pdgate_retries", "Engine legs retried on another engine", ["role"],
+                "pdgate_retries", "Engine legs retried on another engine", [*m, "role"],
                 registry=r,
             ),
             disagg_decisions=FastCounter(
-                "pdgate_disagg_decisions", "Disaggregate-or-not decisions", ["reason"],
+                "pdgate_disagg_decisions", "Disaggregate-or-not decisions", [*m, "reason"],
                 registry=r,
             ),
             engine_healthy=FastGauge(
                 "pdgate_engine_healthy", "1 if the engine's last health check passed",
-                ["engine", "role"], registry=r,
+                [*m, "engine", "role"], registry=r,
             ),
             engine_in_flight=FastGauge(
-                "pdgate_engine_in_flight", "Requests in flight per engine", ["engine", "role"],
+                "pdgate_engine_in_flight", "Requests in flight per engine", [*m, "engine", "role"],
                 registry=r,
             ),
             policy_duration=FastHistogram(
-                "pdgate_policy_duration_seconds", "Time to select one engine", ["role"],
+                "pdgate_policy_duration_seconds", "Time to select one engine", [*m, "role"],
                 buckets=(1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2),
                 registry=r,
             ),
             prefix_lookup_blocks=FastCounter(
-                "pdgate_prefix_lookup_blocks", "Full prompt blocks routed", ["role"],
+                "pdgate_prefix_lookup_blocks", "Full prompt blocks routed", [*m, "role"],
                 registry=r,
             ),
             prefix_hit_blocks=FastCounter(
                 "pdgate_prefix_hit_blocks",
-                "Routed prompt blocks the chosen engine was known to hold", ["role"],
+                "Routed prompt blocks the chosen engine was known to hold", [*m, "role"],
                 registry=r,
             ),
             prefix_index_entries=FastGauge(
                 "pdgate_prefix_index_entries", "(engine, block) entries in a prefix index",
-                ["index"], registry=r,
+                [*m, "index"], registry=r,
             ),
             kv_event_batches=FastCounter(
-                "pdgate_kv_event_batches", "KV-event batches received", ["engine"],
+                "pdgate_kv_event_batches", "KV-event batches received", [*m, "engine"],
                 registry=r,
             ),
             kv_event_gaps=FastCounter(
-                "pdgate_kv_event_gaps", "Gaps in KV-event sequence numbers", ["engine"],
+                "pdgate_kv_event_gaps", "Gaps in KV-event sequence numbers", [*m, "engine"],
                 registry=r,
             ),
             admission_active=FastGauge(
@@ -313,12 +349,12 @@ class RouterMetrics:
             ),
             breaker_opened=FastCounter(
                 "pdgate_breaker_opened", "Engine circuit breakers opened (engine ejected)",
-                ["role"], registry=r,
+                [*m, "role"], registry=r,
             ),
             engine_breaker_state=FastGauge(
                 "pdgate_engine_breaker_state",
                 "Engine circuit breaker state: 0 closed, 1 open (ejected), 2 half-open",
-                ["engine", "role"], registry=r,
+                [*m, "engine", "role"], registry=r,
             ),
             engine_connections_discarded=FastCounter(
                 "pdgate_engine_connections_discarded",
@@ -332,6 +368,10 @@ class RouterMetrics:
                 ["reason"], registry=r,
             ),
         )
+        if not by_model:
+            return families
+        labelled = frozenset(id(getattr(families, name)) for name in _BY_MODEL)
+        return replace(families, _model_families=labelled)
 
 
 class StreamUsage:

@@ -121,8 +121,9 @@ class EndpointPool:
         for rank in ranks:
             ep = Endpoint(url, role, self._next_index[role], rank)
             self._next_index[role] += 1
-            ep._in_flight_gauge = self._metrics.engine_in_flight.labels(ep.key, role)
-            ep._healthy_gauge = self._metrics.engine_healthy.labels(ep.key, role)
+            m = self._metrics
+            ep._in_flight_gauge = m.labels(m.engine_in_flight, ep.key, role)
+            ep._healthy_gauge = m.labels(m.engine_healthy, ep.key, role)
             ep.publish_health()  # assumed healthy until a probe says otherwise
             eps.append(self._attach_health(ep))
         return eps
@@ -213,10 +214,10 @@ class EndpointPool:
 
     def _forget_gauges(self, key: str, role: Role) -> None:
         # A removed engine must not linger in /metrics as a stale series.
-        for gauge in (self._metrics.engine_in_flight, self._metrics.engine_healthy,
-                      self._metrics.engine_breaker_state):
+        m = self._metrics
+        for gauge in (m.engine_in_flight, m.engine_healthy, m.engine_breaker_state):
             with contextlib.suppress(KeyError):
-                gauge.remove(key, role)
+                m.remove(gauge, key, role)
 
     def endpoints(self, role: Role) -> list[Endpoint]:
         """All endpoints of `role`, healthy or not, draining or not, in the order added."""
@@ -229,7 +230,7 @@ class EndpointPool:
     def _attach_health(self, ep: Endpoint) -> Endpoint:
         ep.health = EngineHealth(
             self._health_settings, f"{ep.key} ({ep.role})",
-            on_open=self._metrics.breaker_opened.labels(ep.role).inc,
+            on_open=self._metrics.labels(self._metrics.breaker_opened, ep.role).inc,
         )
         self._metrics.watch_breaker(ep.key, ep.role, ep.health)
         return ep

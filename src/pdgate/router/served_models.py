@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pdgate.router.adapters import AdapterNeed, ModelAdapters
 from pdgate.router.config import RouterConfig
 from pdgate.router.errors import ModelNotFound
+from pdgate.router.metrics import RouterMetrics
 from pdgate.router.orchestrator import Orchestrator
 from pdgate.router.pool import EndpointPool
 
@@ -45,6 +46,11 @@ class ServedModel:
         tokenizer = self.orchestrator.tokenizer
         return self.config.max_model_len or (
             tokenizer.max_model_len if tokenizer is not None else None)
+
+    @property
+    def metrics(self) -> RouterMetrics:
+        """This model's view of the router metrics (`RouterMetrics.for_model`)."""
+        return self.orchestrator.metrics
 
     def ready_body(self) -> dict[str, object]:
         """This model's part of `/ready`: whether it has a ready pair, and its counts."""

@@ -135,11 +135,12 @@ async def relay_chunks(chunks: AsyncIterator[bytes], rewriter: UsageRewriter | N
     if not client_wants_usage and rewriter is None:
         rewriter = UsageRewriter(_keep)  # whole lines, so the usage event can be cut out
     start_ns = time.time_ns()
+    itl = metrics.child(metrics.inter_token_latency)  # the model's series, found once
     try:
         async for chunk in chunks:
             now = time.perf_counter()
             if last:
-                metrics.inter_token_latency.observe(now - last)
+                itl.observe(now - last)
             else:
                 metrics.observe_ttft(mode, t0, now)
                 _record_first_token(t0, now)

@@ -145,7 +145,7 @@ def _retry_or_raise(req: ClientRequest, failure: LegFailure, attempt: int, max_r
         raise failure.error from None
     if not gone:
         excluded.of(failure.role).append(failure.ep)
-    metrics.retries.labels(failure.role).inc()
+    metrics.child(metrics.retries, failure.role).inc()
     log.warning("request %s: %s leg failed on %s (%s); retrying on "
                 "another engine", req.request_id, failure.role, failure.ep.key,
                 failure.error.message)

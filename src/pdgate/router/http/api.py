@@ -187,10 +187,10 @@ def _completion_handler(
         except RouterError as exc:
             if isinstance(exc, Overloaded):
                 st.metrics.child(st.metrics.admission_rejected, exc.reason).inc()
-            _count(st, route, exc.status, t0)
+            _count(st.metrics, route, exc.status, t0)
             return error_response(exc, ids.echo)
         except ClientDisconnect:  # left mid-upload: an ordinary event, not a bug to log
-            _count(st, route, 499, t0)
+            _count(st.metrics, route, 499, t0)
             return Response(b"", 499)
         response = await serve(request, raw, st, t0, ids)
         if slot is not None:
@@ -203,11 +203,13 @@ def _completion_handler(
     async def serve(
         request: Request, raw: bytes, st: RouterState, t0: float, ids: _Ids
     ) -> Response:
+        m = st.metrics  # the router's view until the request's model is known
         try:
             args = (kind, raw, request, ids.internal, st.models, ids.client, st.limits)
             # A megabyte body takes msgspec tens of ms to decode: not on the event loop.
             req, served = build_request(*args) if len(raw) <= _INLINE_PARSE_BYTES else \
                 await anyio.to_thread.run_sync(build_request, *args)
+            m = served.metrics
             if (record := request_context.current()) is not None:
                 record.model = served.name  # the access line's model, before any answer
             # Only while the router starts: engines probed every 0.2 s until ready.
@@ -216,14 +218,14 @@ def _completion_handler(
                 req.adapter.check_decode()
             result = await until_disconnected(request, served.orchestrator.handle(req))
         except RouterError as exc:
-            _count(st, route, exc.status, t0)
+            _count(m, route, exc.status, t0)
             return error_response(exc, ids.echo)
         except ClientGone:
-            _count(st, route, 499, t0)  # nginx's "client closed request"; nobody reads it
+            _count(m, route, 499, t0)  # nginx's "client closed request"; nobody reads it
             return Response(b"", 499)
         except Exception:  # a bug: log it, answer like an engine would, keep serving
             log.exception("request %s (client id %s) failed", ids.internal, ids.client)
-            _count(st, route, 500, t0)
+            _count(m, route, 500, t0)
             return error_response(RouterError("internal router error"), ids.echo)
         # X-Pdgate-Request-Id: the id engines logged this request under (for operators).
         headers = {"X-Request-Id": ids.echo, "X-Pdgate-Request-Id": ids.internal,
@@ -231,10 +233,10 @@ def _completion_handler(
         if (record := request_context.current()) is not None:
             record.engines.update(req.served_by)  # the engines the headers name
         if isinstance(result, bytes):
-            _count(st, route, 200, t0)
+            _count(m, route, 200, t0)
             return Response(result, 200, headers, "application/json")
-        st.metrics.child(st.metrics.requests, route, "200").inc()
-        duration = st.metrics.child(st.metrics.request_duration, route)
+        m.child(m.requests, route, "200").inc()
+        duration = m.child(m.request_duration, route)
         done = lambda: duration.observe(time.perf_counter() - t0)  # noqa: E731
         return RelayResponse(result, headers, done,
                              st.config.stream_write_timeout_s)
@@ -279,8 +281,7 @@ def _engine_headers(req: ClientRequest) -> dict[str, str]:
     return {f"X-Pdgate-{role.capitalize()}-Engine": url for role, url in req.served_by.items()}
 
 
-def _count(st: RouterState, route: str, status: int, t0: float) -> None:
-    m = st.metrics
+def _count(m: RouterMetrics, route: str, status: int, t0: float) -> None:
     m.child(m.requests, route, str(status)).inc()
     m.child(m.request_duration, route).observe(time.perf_counter() - t0)
 

@@ -152,7 +152,9 @@ class _ModelSetup:
 async def _serving_state(
     config: RouterConfig, registry: CollectorRegistry, models: list[_ModelSetup],
 ) -> AsyncIterator[RouterState]:
-    metrics = RouterMetrics.create(registry)
+    # Several models: per-request and per-engine series get a `model` label (one model:
+    # the series of a one-model router, unchanged).
+    metrics = RouterMetrics.create(registry, by_model=len(models) > 1)
     limits = InputLimits.from_config(config)
     if not any(m.tokenize_prompts for m in models):
         log_no_tokenizer()
@@ -169,7 +171,8 @@ async def _serving_state(
                 await adapters.refresh(ep.url)
             return ok
 
-        pools = [_pool(m.config, metrics) for m in models]
+        views = [metrics.for_model(m.config.served_names[0]) for m in models]
+        pools = [_pool(m.config, view) for m, view in zip(models, views, strict=True)]
         engines.set_stream_listener(_breaker_feed(pools))
         engines.set_discard_listener(
             lambda reason: metrics.child(metrics.engine_connections_discarded, reason).inc())
@@ -178,8 +181,8 @@ async def _serving_state(
         stack.push_async_callback(aborter.aclose)  # waits for pending KV aborts, bounded
         shared = FlowShared(config, registry, stack)
         served = []
-        for m, pool in zip(models, pools, strict=True):
-            parts = _ModelParts(engines, metrics, aborter, shared, limits, probe, adapters)
+        for m, pool, view in zip(models, pools, views, strict=True):
+            parts = _ModelParts(engines, view, aborter, shared, limits, probe, adapters)
             served.append(await _open_model(m, pool, parts, stack))
         table = ModelTable(served)
         first = table.default
@@ -200,7 +203,7 @@ class _ModelParts:
     """What every model's stack is built from: the router's shared parts."""
 
     engines: EngineClient
-    metrics: RouterMetrics
+    metrics: RouterMetrics  # the model's view (`RouterMetrics.for_model`)
     aborter: Aborter
     shared: FlowShared
     limits: InputLimits

@@ -30,7 +30,8 @@ from pdgate.router.http.api import RouterState, StateHolder
 from pdgate.router.http.dashboard_page import PAGE
 from pdgate.router.http.routes import RouteTable
 from pdgate.router.metrics import RouterMetrics
-from pdgate.router.pool import Endpoint, EndpointPool
+from pdgate.router.pool import Endpoint
+from pdgate.router.served_models import ModelTable
 
 __all__ = ["Dashboard", "EngineState", "History", "HistogramWindow", "RatePoint", "TTFTState",
            "install_dashboard"]
@@ -43,6 +44,7 @@ class EngineState(msgspec.Struct):
 
     url: str
     role: str
+    model: str  # the model whose pool holds it (an engine serving two models: two rows)
     status: str
     healthy: bool
     draining: bool
@@ -91,6 +93,7 @@ class KVState(msgspec.Struct):
 class DashboardState(msgspec.Struct):
     version: str
     mode: str  # --pd-mode
+    models: dict[str, str]  # every model's first served name -> its pd_mode
     policies: dict[str, str]  # role -> policy
     ready: bool
     discovery: str
@@ -266,12 +269,12 @@ def _status(ep: Endpoint) -> str:
     return "half-open" if breaker is BreakerState.HALF_OPEN else "healthy"
 
 
-def _engines(pool: EndpointPool, metrics: RouterMetrics) -> list[EngineState]:
+def _engines(models: ModelTable, metrics: RouterMetrics) -> list[EngineState]:
     batches = _by_label(metrics.kv_event_batches, "engine")
-    return [EngineState(ep.key, ep.role, _status(ep), ep.healthy, ep.draining,
+    return [EngineState(ep.key, ep.role, m.name, _status(ep), ep.healthy, ep.draining,
                         ep.health.state.value, ep.in_flight, ep.health.consecutive_errors,
                         int(batches[ep.key]) if ep.key in batches else None)
-            for ep in pool.all()]
+            for m in models.models for ep in m.pool.all()]
 
 
 def _kv(metrics: RouterMetrics) -> KVState:
@@ -310,7 +313,8 @@ class Dashboard:
 
     def _sample(self, st: RouterState) -> None:
         _, history = self._current(st)
-        history.sample(st.metrics, sum(ep.in_flight for ep in st.pool.all()))
+        history.sample(st.metrics, sum(ep.in_flight for pool in st.models.pools()
+                                       for ep in pool.all()))
 
     async def sample_forever(self) -> None:
         """Sample every `History.every_s` seconds until cancelled."""
@@ -329,11 +333,12 @@ class Dashboard:
         cfg = st.config
         return DashboardState(
             version=__version__, mode=cfg.pd_mode,
+            models={m.name: m.config.pd_mode for m in st.models.models},
             policies={"prefill": _policy_name(cfg.prefill_policy),
                       "decode": _policy_name(cfg.decode_policy)},
-            ready=st.pool.ready(), discovery=cfg.discovery,
+            ready=st.models.ready(), discovery=cfg.discovery,
             uptime_s=round(time.monotonic() - self._started, 1),
-            engines=_engines(st.pool, st.metrics), ttft=window.recent(),
+            engines=_engines(st.models, st.metrics), ttft=window.recent(),
             now=points[-1] if points else None, history=points,
             history_span_s=history.span_s, history_every_s=history.every_s,
             kv=_kv(st.metrics),

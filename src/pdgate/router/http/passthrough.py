@@ -41,6 +41,7 @@ from pdgate.router.http.client_deadlines import read_body_within
 from pdgate.router.http.routes import Endpoint as RouteEndpoint
 from pdgate.router.http.routes import RouteTable
 from pdgate.router.input.limits import check_json_depth
+from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import PickContext, choose
 from pdgate.router.pool import Endpoint
 from pdgate.router.request_ids import InternalIds
@@ -73,8 +74,10 @@ def _handler(holder: StateHolder, ids: InternalIds, route: str) -> RouteEndpoint
         request_context.bind_ids(internal, client)
         echo = client or internal
         slot: Slot | None = None
+        m = st.metrics  # the router's view until the request's model is known
         try:
             body, served, adapter = await _read_body(request, st)
+            m = served.metrics
             if st.admission:
                 with span("admission_wait"):
                     slot = await st.admission.acquire()
@@ -85,9 +88,9 @@ def _handler(holder: StateHolder, ids: InternalIds, route: str) -> RouteEndpoint
                 st.metrics.child(st.metrics.admission_rejected, exc.reason).inc()
             if slot is not None:
                 slot.release()
-            _count(st, route, exc.status, t0)
+            _count(m, route, exc.status, t0)
             return error_response(exc, echo)
-        _count(st, route, response.status_code, t0)
+        _count(m, route, response.status_code, t0)
         if slot is not None:
             if isinstance(response, StreamingResponse):
                 _then(response, slot.release)
@@ -215,7 +218,6 @@ def _deadline(seconds: float) -> float:
     return asyncio.get_running_loop().time() + seconds
 
 
-def _count(st: RouterState, route: str, status: int, t0: float) -> None:
-    m = st.metrics
+def _count(m: RouterMetrics, route: str, status: int, t0: float) -> None:
     m.child(m.requests, route, str(status)).inc()
     m.child(m.request_duration, route).observe(time.perf_counter() - t0)

@@ -57,7 +57,8 @@ async def open_routing(
     exact = None
     if endpoints:
         exact = KVEventIndex(config.prefix_block_size, config.prefix_index_max_blocks)
-        metrics.prefix_index_entries.labels("kv_events").set_function(lambda: len(exact.index))
+        metrics.labels(metrics.prefix_index_entries, "kv_events").set_function(
+            lambda: len(exact.index))
 
         def on_batch(engine: str, n: int, gap: bool) -> None:
             metrics.child(metrics.kv_event_batches, engine).inc()
@@ -67,7 +68,7 @@ async def open_routing(
         await stack.enter_async_context(running_subscribers(endpoints, exact, on_batch,
                                                            pool.dp_size))
     approx = PrefixIndex(config.prefix_index_max_blocks)
-    metrics.prefix_index_entries.labels("approx").set_function(lambda: len(approx))
+    metrics.labels(metrics.prefix_index_entries, "approx").set_function(lambda: len(approx))
     env = PolicyEnv(config.prefix_block_size, approx, exact)
     decode = build_policy(config.decode_policy, env, metrics)
     decider = PrefixDecider(

@@ -15,9 +15,10 @@ from typing import Any
 
 import pytest
 
-from pdgate.router.config import ModelConfig, RouterConfig
+from pdgate.router.config import ConfigError, ModelConfig, RouterConfig, validate_config
 from pdgate.router.input.tokenization import PromptTokenizer
-from tests.router.conftest import MODEL, RunningRouter, serve, sse_events
+from pdgate.router.policies import POLICIES
+from tests.router.conftest import MODEL, RunningRouter, serve, sse_events, until
 from tests.router.fake_lora_engine import FakeLoraEngine
 
 StartRouter = Callable[..., Awaitable[RunningRouter]]
@@ -172,6 +173,7 @@ async def test_failed_load_is_503_naming_the_adapter_never_base_output(
         assert err["code"] == "adapter_load_failed"
         assert f"loading LoRA adapter `{SQL}` onto engine {d.url} failed" in err["message"]
     assert len(d.loads) == 1  # the five waited on one load
+    await until(lambda: len(p.aborts) == 5)  # the prefills' blocks on P were released
     assert not d.served and router.metric("pdgate_lora_loads_total", {"result": "failed"}) == 1
     # A failure is not remembered: the next request tries again, and succeeds once it can.
     d.load_fail_status = None
@@ -279,3 +281,37 @@ async def test_each_models_adapters_stay_on_its_engines(
         del da.adapters[SQL]
         gone = await router.client.post("/v1/completions", json=BODY)
         assert gone.status_code == 503 and _error(gone)["code"] == "adapter_unavailable"
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"lora_adapters": ["no-path"]}, "lora_adapters: 'no-path' is not NAME=PATH"),
+    ({"lora_adapters": ["=/p"]}, "lora_adapters: '=/p' is not NAME=PATH"),
+    ({"enable_lora": True, "lora_load_timeout_s": 0}, "lora_load_timeout_s: must be > 0"),
+])
+def test_bad_lora_settings_are_named(fields: dict[str, Any], message: str) -> None:
+    config = RouterConfig(model="m", prefill=["http://p:1"], decode=["http://d:1"], **fields)
+    with pytest.raises(ConfigError, match=message):
+        validate_config(config, frozenset(POLICIES))
+
+
+def test_load_on_demand_or_sources_turn_lora_on() -> None:
+    assert not RouterConfig(model="m").lora_on
+    assert RouterConfig(model="m", load_on_demand=True).lora_on
+    assert RouterConfig(model="m", lora_adapters=["a=/a"]).lora_on
+    assert RouterConfig(models=[ModelConfig(model="a"), ModelConfig(
+        model="b", load_on_demand=True)]).lora_on
+
+
+async def test_adapter_gone_with_no_retry_left_is_503_naming_it(
+    make_lora: MakeLora, start_router: StartRouter
+) -> None:
+    p, d = await make_lora("P0", SQL), await make_lora("D0", SQL)
+    router = await start_router([p], [d], max_retries=0, **LORA)
+    del d.adapters[SQL]
+    resp = await router.client.post("/v1/completions", json=BODY)
+    assert resp.status_code == 503, resp.text
+    err = _error(resp)
+    assert err["code"] == "adapter_unavailable"
+    assert f"engine {d.url} no longer holds LoRA adapter `{SQL}`" in err["message"]
+    assert not d.served
+    await until(lambda: len(p.aborts) == 1)  # P's prefilled blocks were released

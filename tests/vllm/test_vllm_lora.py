@@ -15,21 +15,29 @@ without `kv_transfer_params` runs prefill and decode there.
 - no D holds `chat-lora`: a router without `--load-on-demand` answers 503
   `adapter_unavailable`; one with it loads the adapter onto D (once) and answers what P
   colocated answers with the adapter, never the base model's text.
+- P's own KV events (`BlockStored` with `lora_name`) for one prompt under the adapter and
+  for the base model: the router's index never matches one with the other's request.
 """
 
 from __future__ import annotations
 
 import json
+import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
+import zmq
 
+from pdgate.router.policies.kv_events import KVEventIndex, Stored, decode_batch
+from pdgate.router.policies.prefix_index import block_hashes, lora_root
 from tests.e2e.cluster import metric
 from tests.vllm.model import VLLM_TINY_CONFIG
 from tests.vllm.processes import (
+    BLOCK_SIZE,
     ENGINE_KEY,
     SERVED_NAME,
     Proc,
@@ -91,10 +99,13 @@ def lora_cluster(vllm_python: Path, vllm_model_dir: Path, vllm_log_dir: Path,
     where = tmp_path_factory.mktemp("lora")
     sql, chat = build_adapter(where / SQL, 1), build_adapter(where / CHAT, 2)
     procs: list[Proc] = []
+    # ipc socket paths must be short (~100 bytes): a fresh dir in the system tmp.
+    events = tempfile.TemporaryDirectory(prefix="pdgate-lora-kv-")
     try:
         with pytest.MonkeyPatch.context() as mp:  # the engines' environment (vllm_env)
             mp.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
             p = start_vllm(vllm_python, vllm_model_dir, "P-lora", vllm_log_dir, core="0",
+                           kv_events_dir=Path(events.name),
                            extra_args=[*LORA_ARGS, "--lora-modules", f"{SQL}={sql}",
                                        f"{CHAT}={chat}"])
             procs.append(p)
@@ -114,6 +125,10 @@ def lora_cluster(vllm_python: Path, vllm_model_dir: Path, vllm_log_dir: Path,
     finally:
         for proc in reversed(procs):
             proc.stop()
+        events.cleanup()
+
+
+AUTH = {"Authorization": f"Bearer {ENGINE_KEY}"}
 
 
 def complete(url: str, model: str, prompt: str, max_tokens: int = 12) -> httpx.Response:
@@ -181,3 +196,44 @@ def test_adapter_no_d_holds_is_503_or_loaded_on_demand(lora_cluster: LoraCluster
     again = complete(c.on_demand.url, CHAT, prompt("chat 0a0a"))
     assert again.status_code == 200
     assert metric(c.on_demand.url, "pdgate_lora_loads_total", 'result="ok"') == 1
+
+
+def test_kv_events_of_an_adapter_never_match_base_requests(lora_cluster: LoraCluster,
+                                                           vllm_log_dir: Path) -> None:
+    """P's real KV events for one prompt, under the adapter and for the base model: the
+    router's index keys them apart (also recorded for tests/router/test_lora_kv_keys.py)."""
+    c = lora_cluster
+    assert c.p.kv_events is not None
+    ask = prompt("events 5e6f 7a8b")
+    ids = httpx.post(c.p.url + "/tokenize", headers=AUTH, timeout=60,
+                     json={"model": SERVED_NAME, "prompt": ask}).json()["tokens"]
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    try:
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(c.p.kv_events)
+        time.sleep(1.0)  # PUB/SUB: the subscription reaches the publisher
+        payloads = []
+        for model in (SQL, SERVED_NAME):
+            assert complete(c.p.url, model, ask, 1).status_code == 200
+        deadline = time.monotonic() + 30
+        stored: list[Stored] = []
+        while time.monotonic() < deadline and {s.lora_name for s in stored} != {SQL, None}:
+            if sub.poll(500):
+                frames = sub.recv_multipart()
+                payloads.append(frames[2])
+                stored += [e for e in decode_batch(frames[2]) if isinstance(e, Stored)]
+    finally:
+        sub.close(linger=0)
+        ctx.term()
+    assert {s.lora_name for s in stored} == {SQL, None}, stored
+    (vllm_log_dir / "lora-kv-events.json").write_text(json.dumps({
+        "prompt_token_ids": ids, "adapter": SQL, "block_size": BLOCK_SIZE,
+        "payloads": [p.hex() for p in payloads]}))
+    index = KVEventIndex(16, 10_000)  # the router's default block: 2 per vLLM block
+    for ev in stored:  # the adapter's blocks as engine A, the base model's as engine B
+        index.apply("A" if ev.lora_name == SQL else "B", [ev])
+    full = len(ids) // BLOCK_SIZE * BLOCK_SIZE // 16
+    base = index.index.match(block_hashes(ids, 16), ["A", "B"])
+    sql = index.index.match(block_hashes(ids, 16, lora_root(SQL)), ["A", "B"])
+    assert base == {"A": 0, "B": full} and sql == {"A": full, "B": 0}

@@ -142,6 +142,10 @@ def _retry_or_raise(req: ClientRequest, failure: LegFailure, attempt: int, max_r
     elif not note_failure(failure.role, failure.ep, failure.error):
         raise failure.error from None
     if attempt == max_retries:
+        if gone:  # say what is missing, not "the engine refused the route"
+            raise AdapterUnavailable(f"engine {failure.ep.url} no longer holds LoRA adapter "
+                                     f"`{req.adapter.name}` and no retry is left",
+                                     param="model") from None
         raise failure.error from None
     if not gone:
         excluded.of(failure.role).append(failure.ep)

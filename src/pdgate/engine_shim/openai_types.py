@@ -79,6 +79,11 @@ class _Common(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     user: str | None = None
+    # vLLM's extension: the reply's choice also lists `prompt_token_ids` and `token_ids`
+    # (the router's pull flow uses them to stream P's first token early); a stream's
+    # chunks list the ids each one's text comes from (the router's mid-stream migration),
+    # the first also the prompt's (chat: at the chunk's top level, as vLLM 0.32 does).
+    return_token_ids: bool = False
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -90,9 +95,6 @@ class CompletionRequest(_Common, kw_only=True):
     logprobs: int | None = None
     suffix: str | None = None
     add_special_tokens: bool = True
-    # vLLM's extension: the reply's choice also lists `prompt_token_ids` and `token_ids`
-    # (the router's pull flow uses them to stream P's first token early).
-    return_token_ids: bool = False
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -302,8 +304,10 @@ class ReplyHead(msgspec.Struct, frozen=True):
         return body
 
 
-def stream_choice(chat: bool, out: StepOutput | None, *, first: bool = False) -> dict[str, Any]:
-    """One streamed choice: a text delta (or, for chat, the opening role delta when `first`)."""
+def stream_choice(chat: bool, out: StepOutput | None, *, first: bool = False,
+                  token_ids: bool = False) -> dict[str, Any]:
+    """One streamed choice: a text delta (or, for chat, the opening role delta when `first`);
+    with `token_ids`, the ids of the tokens the delta comes from (`return_token_ids`)."""
     if chat:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
         if out is not None and out.text:
@@ -313,6 +317,8 @@ def stream_choice(chat: bool, out: StepOutput | None, *, first: bool = False) ->
         choice = {"index": 0, "text": out.text if out else "", "logprobs": None}
     choice["finish_reason"] = out.finish_reason if out else None
     choice["stop_reason"] = out.stop_reason if out else None
+    if token_ids and out is not None:
+        choice["token_ids"] = list(out.new_token_ids)
     return choice
 
 

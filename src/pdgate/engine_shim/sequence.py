@@ -123,6 +123,9 @@ class StepOutput:
     kv_transfer_params: dict[str, Any] | None = None
     # The generated token ids, on the final output only (vLLM's `return_token_ids`).
     token_ids: tuple[int, ...] | None = None
+    # The ids generated since the previous output (a streamed chunk's `token_ids`): the
+    # tokens whose text this output's `text` completes, so text and ids stay aligned.
+    new_token_ids: tuple[int, ...] = ()
 
 
 class IncrementalDetokenizer:
@@ -180,6 +183,7 @@ class Sequence:
     sampler: Sampler = field(init=False)
     _text: str = ""
     _emitted: int = 0
+    _ids_out: int = 0  # token_ids already listed in an output's `new_token_ids`
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.req.prompt_ids)
@@ -195,6 +199,7 @@ class Sequence:
             self.token_ids.append(token)
             self._text += self.detok.push(token)
         self._emitted = len(self._text)
+        self._ids_out = len(self.token_ids)  # the client has these ids already
 
     @property
     def num_prompt(self) -> int:
@@ -264,6 +269,8 @@ class Sequence:
         return self.output(delta)
 
     def output(self, text: str, kv_transfer_params: dict[str, Any] | None = None) -> StepOutput:
+        start = max(self._ids_out, self.num_prompt)
+        self._ids_out = len(self.token_ids)
         return StepOutput(
             text=text,
             finish_reason=self.finish_reason,
@@ -273,4 +280,5 @@ class Sequence:
             num_cached_tokens=self.num_cached_tokens,
             kv_transfer_params=kv_transfer_params,
             token_ids=tuple(self.token_ids[self.num_prompt:]) if self.finished else None,
+            new_token_ids=tuple(self.token_ids[start:]),
         )

@@ -217,7 +217,8 @@ async def _serve(
     headers = {"X-Request-Id": gen.request_id}
     if req.stream:
         return _ClosingStreamingResponse(
-            stream, _sse_events(stream, head, chat, gen.continues_stream),
+            stream, _sse_events(stream, head, chat, gen.continues_stream,
+                                prompt_ids if req.return_token_ids else None),
             media_type="text/event-stream",
             headers=headers,
         )
@@ -318,18 +319,28 @@ async def _wait_disconnect(receive: Receive) -> None:
 
 
 async def _sse_events(
-    stream: RequestStream, head: ot.ReplyHead, chat: bool, resumed: bool
+    stream: RequestStream, head: ot.ReplyHead, chat: bool, resumed: bool,
+    prompt_ids: list[int] | None = None,
 ) -> AsyncIterator[bytes]:
+    """The SSE answer; `prompt_ids` (`return_token_ids`): every chunk lists its token ids
+    and the first the prompt's, as vLLM 0.32 does (chat: at the top level of the role
+    chunk; completions: in the first chunk's choice)."""
     final: StepOutput | None = None
+    ids = prompt_ids is not None
     async with stream:
         if chat and not resumed:  # a continuation's client had the role delta from P's token
-            yield ot.sse(head.chunk(chat, [ot.stream_choice(chat, None, first=True)]))
+            opening = head.chunk(chat, [ot.stream_choice(chat, None, first=True)])
+            if ids:
+                opening["prompt_token_ids"], prompt_ids = prompt_ids, None
+            yield ot.sse(opening)
         try:
             async for out in stream:
                 final = out
                 if not out.text and out.finish_reason is None:
                     continue
-                chunk = head.chunk(chat, [ot.stream_choice(chat, out)])
+                chunk = head.chunk(chat, [ot.stream_choice(chat, out, token_ids=ids)])
+                if prompt_ids is not None:
+                    chunk["choices"][0]["prompt_token_ids"], prompt_ids = prompt_ids, None
                 if out.kv_transfer_params is not None:
                     chunk["kv_transfer_params"] = out.kv_transfer_params
                 yield ot.sse(chunk)

@@ -185,6 +185,12 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                               "request (half-open)"),
     ("max_retries", int, "extra attempts per leg on other engines, before the first byte"),
     ("retry_backoff_s", float, "base of the exponential, jittered pause between attempts"),
+    ("max_migrations", int, "continuations of a stream whose decode engine failed after "
+                            "the first byte (a new P/D attempt over prompt + tokens sent; "
+                            "0: off)"),
+    ("migration_deadline_s", float, "seconds from a decode failure within which a "
+                                    "stream's continuation must open (else the stream "
+                                    "ends with the error event)"),
     ("kv_abort_timeout_s", float, "deadline of the best-effort request asking an engine to "
                                   "free what it holds for a failed or abandoned request (every "
                                   "mode: P's blocks, D's reservation or push registration)"),
@@ -229,7 +235,7 @@ _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "prefix_index_max_blocks", "kv_events", "disagg_min_tokens",
                  "disagg_prefix_ratio", "enable_lora", "lora_adapters", "lora_load_timeout_s",
                  "eject_consecutive_errors", "breaker_open_s", "max_retries",
-                 "retry_backoff_s")),
+                 "retry_backoff_s", "max_migrations", "migration_deadline_s")),
     ("flows", ("pd_mode", "early_first_token", "prefill_timeout_s",
                "decode_first_byte_timeout_s", "decode_idle_timeout_s", "kv_abort_timeout_s",
                "kv_ready_timeout_s", "notify_bind", "notify_advertise_host", "notify_secret",

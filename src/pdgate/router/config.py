@@ -217,6 +217,10 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # between attempts, and the deadline of the best-effort KV abort sent to P.
     max_retries: int = 1
     retry_backoff_s: float = 0.02
+    # Mid-stream migration (router/flows/migration.py): continuations per stream whose
+    # decode engine failed after the first byte (0: off), each opened within the deadline.
+    max_migrations: int = 2
+    migration_deadline_s: float = 30.0
     kv_abort_timeout_s: float = 2.0
     # Hostile input (router/input/limits.py): request parsing bounds, client-supplied chat
     # templates (off unless allowed; rendered sandboxed, off the event loop, with a budget),
@@ -284,6 +288,7 @@ _POSITIVE = (
     "prefix_block_size",
     "prefix_index_max_blocks",
     "kv_ready_timeout_s",
+    "migration_deadline_s",
     "notify_ttl_s",
     "notify_reap_interval_s",
     "max_concurrent_requests",
@@ -405,7 +410,7 @@ def _validate_models(config: RouterConfig, policy_names: frozenset[str]) -> None
 
 
 def _validate_resilience(config: RouterConfig) -> None:
-    for field in ("max_queued_requests", "max_retries"):
+    for field in ("max_queued_requests", "max_retries", "max_migrations"):
         if getattr(config, field) < 0:
             raise ConfigError(f"{field}: must be >= 0")
     if config.retry_backoff_s < 0:

@@ -11,10 +11,12 @@ flow.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from pdgate.router import request_context
 from pdgate.router.errors import ContextLengthExceeded
 from pdgate.router.flows.base import Flow, StreamResult
+from pdgate.router.flows.migration import MigrationMetrics, Migrator
 from pdgate.router.flows.pull import PullFlow
 from pdgate.router.input.limits import InputLimits
 from pdgate.router.input.schema import ChatParams, ClientRequest
@@ -23,7 +25,8 @@ from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies.decider import Decider, Decision, PrefixDecider, decide
 from pdgate.router.tracing import span
 
-__all__ = ["Decision", "Orchestrator", "StreamResult", "check_context_length", "decide"]
+__all__ = ["Decision", "MigrationSettings", "Orchestrator", "StreamResult",
+           "check_context_length", "decide"]
 
 
 class Orchestrator:
@@ -31,7 +34,8 @@ class Orchestrator:
 
     def __init__(self, tokenizer: PromptTokenizer | None, metrics: RouterMetrics,
                  pull: PullFlow, pd_flow: Flow | None = None, decider: Decider | None = None,
-                 *, tokenize_prompts: bool = True, limits: InputLimits | None = None) -> None:
+                 *, tokenize_prompts: bool = True, limits: InputLimits | None = None,
+                 migration: MigrationSettings | None = None) -> None:
         if tokenize_prompts and tokenizer is None:
             raise ValueError("tokenize_prompts needs a tokenizer")
         self.tokenizer = tokenizer
@@ -45,6 +49,7 @@ class Orchestrator:
         self.decider: Decider = decider or PrefixDecider()
         self.pull = pull
         self.pd_flow: Flow = pd_flow or pull  # the flow of `--pd-mode`
+        self.migrator = migration.migrator(self) if migration is not None else None
 
     async def handle(self, req: ClientRequest) -> bytes | StreamResult:
         """Run `req`: JSON body bytes for a non-streaming answer, else a `StreamResult`.
@@ -68,9 +73,22 @@ class Orchestrator:
         # as the client sees it.
         record = request_context.current()
         t0 = record.arrival if record is not None else time.perf_counter()
-        if not decision.disagg:
+        if self.migrator is None:
+            return await self._run(req, t0, decision.disagg)
+        # A stream that may migrate asks its decode legs for token ids (router/flows/
+        # migration.py); its continuations run through `continue_stream`.
+        why_not = self.migrator.prepare(req)
+        return self.migrator.wrap(req, await self._run(req, t0, decision.disagg), why_not)
+
+    async def _run(self, req: ClientRequest, t0: float, disagg: bool) -> bytes | StreamResult:
+        if not disagg:
             return await self.pull.direct(req, t0)
         # A request the mode cannot run here is served by the pull flow, inside the flow.
+        return await self.pd_flow.run(req, t0)
+
+    async def continue_stream(self, req: ClientRequest, t0: float) -> bytes | StreamResult:
+        """A migrated stream's continuation: always a new P/D attempt (decode-only, counted,
+        when no prefill engine is healthy)."""
         return await self.pd_flow.run(req, t0)
 
     async def tokenize(self, req: ClientRequest) -> None:
@@ -102,6 +120,26 @@ class Orchestrator:
         ids = await tok.encode_text(text, add_special_tokens=special)
         req.prompt_token_ids = ids
         check_context_length(len(ids), req.max_tokens, tok.max_model_len)
+
+
+@dataclass(frozen=True)
+class MigrationSettings:
+    """Mid-stream migration's settings (`--max-migrations`, `--migration-deadline-s`), the
+    `--pd-mode` it labels its metrics with, and those metrics."""
+
+    metrics: MigrationMetrics
+    mode: str
+    max_migrations: int = 2
+    deadline_s: float = 30.0
+
+    def migrator(self, orch: Orchestrator) -> Migrator:
+        """The orchestrator's migrator: continuations run through its P/D flow, prompts
+        are tokenized with its tokenizer (none: nothing migrates)."""
+        tok = orch.tokenizer
+        return Migrator(orch.continue_stream, orch.tokenize if tok is not None else None,
+                        self.metrics, self.mode, max_migrations=self.max_migrations,
+                        deadline_s=self.deadline_s,
+                        max_model_len=tok.max_model_len if tok is not None else None)
 
 
 def check_context_length(prompt_tokens: int, max_tokens: int | None, limit: int | None,

@@ -37,6 +37,7 @@ class RequestRecord:
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     engines: dict[str, str] = field(default_factory=dict)  # role -> engine URL
+    migrations: int | None = None  # continuations of a stream whose decode engine failed
 
 
 _current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(

@@ -82,9 +82,11 @@ def eligible(req: ClientRequest) -> bool:
 
 def wants_early(req: ClientRequest) -> bool:
     """May `req`'s first token come from P's listed ids (pull, push with vLLM)? The
-    completions API with one prompt: chat's D leg cannot take token ids."""
+    completions API with one prompt: chat's D leg cannot take token ids. A client that
+    asked for token ids keeps the plain flow; the router's own ask (`track_ids`, for
+    mid-stream migration) does not: the opening chunk then lists P's ids too."""
     return (req.kind == "completion" and not req.batch and eligible(req)
-            and not req.body.get(ASK_TOKEN_IDS))
+            and (req.track_ids or not req.body.get(ASK_TOKEN_IDS)))
 
 
 class TokenText(Protocol):
@@ -171,10 +173,11 @@ def _known_prompt(req: ClientRequest) -> list[int] | None:
 
 def continuation(body: Mapping[str, Any], first: FirstToken) -> dict[str, Any]:
     """The client's body as D continues it: prompt = P's ids plus its token, that many
-    tokens fewer to generate (the decode leg adds the KV params)."""
+    tokens fewer to generate (the decode leg adds the KV params). A `return_token_ids` in
+    `body` is the router's own (`ClientRequest.track_ids`: `wants_early` keeps clients
+    that ask on the plain flow), so D still lists the ids it streams."""
     b = dict(body)
     b["prompt"] = first.prompt_ids + first.token_ids
-    b.pop(ASK_TOKEN_IDS, None)
     if b.get("max_tokens") is None and b.get("max_completion_tokens") is None:
         b["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS
     for key in ("max_tokens", "max_completion_tokens"):
@@ -189,9 +192,13 @@ def bill(usage: dict[str, Any], first: FirstToken, prefill: PrefillUsage | None)
     rewrite_continuation_usage(usage, prefill, len(first.prompt_ids), len(first.token_ids))
 
 
-def head_chunks(first: FirstToken, chat: bool, include_usage: bool) -> bytes:
+def head_chunks(first: FirstToken, chat: bool, include_usage: bool,
+                token_ids: bool = False) -> bytes:
     """SSE events that open the client's stream with P's token (chat: the role delta first),
-    shaped like the engine's own chunks so the decode leg's continue them seamlessly."""
+    shaped like the engine's own chunks so the decode leg's continue them seamlessly. With
+    `token_ids` (the router tracks ids for migration) the token's chunk lists its ids as
+    vLLM's `return_token_ids` does, sent even when its text is held back (a split
+    character)."""
     reply = first.reply.reply
     base = {"id": reply.id, "object": "chat.completion.chunk" if chat else
             "text_completion", "created": reply.created, "model": reply.model}
@@ -200,8 +207,10 @@ def head_chunks(first: FirstToken, chat: bool, include_usage: bool) -> bytes:
         events.append(_choice(base, {"delta": {"role": "assistant", "content": ""}}))
         if first.text:
             events.append(_choice(base, {"delta": {"content": first.text}}))
-    elif first.text:
+    elif first.text or token_ids:
         events.append(_choice(base, {"text": first.text}))
+    if token_ids:
+        events[-1]["choices"][0]["token_ids"] = list(first.token_ids)
     if include_usage:
         for event in events:
             event["usage"] = None  # as the engine's chunks: null until the last

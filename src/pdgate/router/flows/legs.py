@@ -240,7 +240,7 @@ class DecodeLeg:
             if not source.opened:
                 self.abort_prefill(req, prefill)
 
-        source = EarlyStream(head_chunks(first, False, req.wants_usage_chunks), rest,
+        source = EarlyStream(head_chunks(first, False, req.wants_usage_chunks, req.track_ids), rest,
                              on_close)
         rewriter = UsageRewriter(lambda u: bill(u, first, prefill.usage))
         chunks = relay_chunks(source.chunks(), rewriter, parts.metrics, t0, mode,

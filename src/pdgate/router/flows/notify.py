@@ -305,7 +305,8 @@ class NotifyFlow:
             if not source.finished:
                 self._drop_wait(wait, d_ep, rid)
 
-        head = head_chunks(token, req.kind == "chat", req.wants_usage_chunks)
+        head = head_chunks(token, req.kind == "chat", req.wants_usage_chunks,
+                           req.track_ids)
         source = EarlyStream(head, rest, on_close)
         chunks = relay(source, leg, o.metrics, t0, MODE, True, req.wants_usage_chunks)
         return StreamResult(chunks, source.close)

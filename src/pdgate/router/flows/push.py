@@ -312,7 +312,8 @@ class PushFlow:
             fresh = await open_continuation(o.engines, req, d_ep, again, stack)
             return fresh.chunks()
 
-        head = head_chunks(token, req.kind == "chat", req.wants_usage_chunks)
+        head = head_chunks(token, req.kind == "chat", req.wants_usage_chunks,
+                           req.track_ids)
         source = EarlyStream(head, rest)
         stack.callback(self._release_prefill_unless, source, watch)
         chunks = relay(source, watch.leg, o.metrics, t0, MODE, True,

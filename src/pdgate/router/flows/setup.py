@@ -14,6 +14,7 @@ from pdgate.router.config import RouterConfig
 from pdgate.router.flows.base import Flow, FlowParts
 from pdgate.router.flows.common import FlowMetrics, KVInfoCache
 from pdgate.router.flows.early import FirstTokenCheck, TokenText
+from pdgate.router.flows.migration import MigrationMetrics
 from pdgate.router.flows.notify import NotifyFlow
 from pdgate.router.flows.pull import PullFlow
 from pdgate.router.flows.push import PushFlow
@@ -29,6 +30,7 @@ class FlowShared:
     def __init__(self, config: RouterConfig, registry: CollectorRegistry,
                  stack: contextlib.AsyncExitStack) -> None:
         self.metrics = FlowMetrics.create(registry)
+        self.migration = MigrationMetrics.create(registry)  # router/flows/migration.py
         self._config, self._registry, self._stack = config, registry, stack
         self._proxy: NotifyServer | None = None
 

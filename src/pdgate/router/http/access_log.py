@@ -7,8 +7,10 @@ response headers name), watches the response start for the status, and logs once
 returned, i.e. after the last byte of a stream. Fields: method, path,
 status, duration_s, request_id, client_request_id, model, mode, fallback, ttft_s,
 admission_wait_s, prompt_tokens, completion_tokens, prefill_engine, decode_engine (null
-when unknown), and for a refused request (status >= 400) error_code: the `code` (else the
-`type`) of its OpenAI-style error body, read from the first bytes the client got.
+when unknown), migrations (continuations of a stream whose decode engine failed
+mid-response; null when none was tried), and for a refused request (status >= 400)
+error_code: the `code` (else the `type`) of its OpenAI-style error body, read from the
+first bytes the client got.
 
 Probes and scrapes (`/health`, `/ready`, `/metrics`, `/dashboard/state`) are logged at
 DEBUG: every few seconds from each kubelet and Prometheus, they would bury the requests.
@@ -124,4 +126,5 @@ def _fields(record: RequestRecord, status: int, pd_mode: str) -> dict[str, Any]:
         "completion_tokens": record.completion_tokens,
         "prefill_engine": record.engines.get("prefill"),
         "decode_engine": record.engines.get("decode"),
+        "migrations": record.migrations,
     }

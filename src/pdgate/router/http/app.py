@@ -44,9 +44,14 @@ from pdgate.router.http.passthrough import install_passthrough
 from pdgate.router.http.routes import RouterApp, RouteTable
 from pdgate.router.input.limits import InputLimits
 from pdgate.router.input.tokenization import PromptTokenizer
-from pdgate.router.input.tokenizer_setup import log_no_tokenizer, open_tokenizer, token_readers
+from pdgate.router.input.tokenizer_setup import (
+    log_no_tokenizer,
+    open_migration_tokenizer,
+    open_tokenizer,
+    token_readers,
+)
 from pdgate.router.metrics import RouterMetrics
-from pdgate.router.orchestrator import Orchestrator
+from pdgate.router.orchestrator import MigrationSettings, Orchestrator
 from pdgate.router.policies import POLICY_NAMES
 from pdgate.router.policies.setup import check_routing, open_routing
 from pdgate.router.pool import Endpoint, EndpointPool
@@ -82,7 +87,8 @@ def create_app(
         check_routing(one)
         readers = token_readers(one)
         given = (tokenizers or {}).get(one.model) or (tokenizer if i == 0 else None)
-        models.append(_ModelSetup(one, given or open_tokenizer(one, readers), bool(readers)))
+        tokenizer_ = given or open_tokenizer(one, readers) or open_migration_tokenizer(one)
+        models.append(_ModelSetup(one, tokenizer_, bool(readers)))
     tracing = TracingSlot(config, os.environ)  # off unless configured (router/tracing.py)
     holder = StateHolder()
     # A --workers worker's scrape shows every worker of the pod (router/worker_metrics.py).
@@ -232,8 +238,11 @@ async def _open_model(m: _ModelSetup, pool: EndpointPool, parts: _ModelParts,
                            parts.metrics, parts.aborter, config.max_retries,
                            config.retry_backoff_s)
     pull, pd_flow = await open_flows(config, flow_parts, parts.shared, tokenizer)
+    migration = MigrationSettings(parts.shared.migration, config.pd_mode,
+                                  config.max_migrations, config.migration_deadline_s)
     orchestrator = Orchestrator(tokenizer, parts.metrics, pull, pd_flow, routing.decider,
-                                tokenize_prompts=m.tokenize_prompts, limits=parts.limits)
+                                tokenize_prompts=m.tokenize_prompts, limits=parts.limits,
+                                migration=migration)
     adapters = None if parts.adapters is None else ModelAdapters(
         parts.adapters, pool, load_on_demand=config.load_on_demand,
         sources=parse_adapter_sources(config.lora_adapters))

@@ -104,6 +104,9 @@ class ClientRequest:
     pick_context: Any = None
     # The LoRA adapter `model` names (router/adapters.py `AdapterNeed`), None: the base model.
     adapter: Any = None
+    # The router asked the engines for `return_token_ids` on its own (mid-stream
+    # migration, router/flows/migration.py): the client did not, and gets none.
+    track_ids: bool = False
 
     @property
     def stream(self) -> bool:

@@ -11,12 +11,14 @@ features that need it and the `--tokenizer` flag.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from pdgate.router.config import ConfigError, RouterConfig
 from pdgate.router.input.tokenization import PromptTokenizer, load_tokenizer
 from pdgate.router.policies.registry import build_policy
 
-__all__ = ["TOKEN_FEATURES", "log_no_tokenizer", "open_tokenizer", "token_readers"]
+__all__ = ["TOKEN_FEATURES", "log_no_tokenizer", "open_migration_tokenizer", "open_tokenizer",
+           "token_readers"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +66,23 @@ def open_tokenizer(config: RouterConfig, readers: list[str]) -> PromptTokenizer 
             f"tokenizer: cannot load {config.tokenizer_source!r} ({reason}). A tokenizer is "
             f"needed by {' and '.join(readers)}: pass --tokenizer with a local directory or "
             "model hub name that has a tokenizer.json, or configure none of these") from None
+
+
+def open_migration_tokenizer(config: RouterConfig) -> PromptTokenizer | None:
+    """The tokenizer mid-stream migration uses (router/flows/migration.py) in a router that
+    tokenizes nothing else: loaded when `--max-migrations` is on and the tokenizer is a
+    local directory or was named with `--tokenizer` (a model name alone is never looked up
+    on a hub for this). None, with a warning, when it cannot load: streams then do not
+    migrate."""
+    source = config.tokenizer_source
+    if config.max_migrations <= 0 or not (config.tokenizer or Path(source).is_dir()):
+        return None
+    try:
+        return load_tokenizer(source, config.model, config.max_model_len)
+    except (ImportError, OSError, ValueError) as exc:
+        log.warning("mid-stream migration is off: its tokenizer %r cannot load (%s)",
+                    source, " ".join(str(exc).split())[:200] or type(exc).__name__)
+        return None
 
 
 def log_no_tokenizer() -> None:

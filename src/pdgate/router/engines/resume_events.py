@@ -1,0 +1,213 @@
+"""The client-bound SSE of a stream the router may migrate (router/flows/migration.py), read
+event by event, so that a continuation can take over exactly where the client is.
+
+The decode legs of such a stream ask for `return_token_ids` on the router's behalf
+(`ClientRequest.track_ids`); `ResumeEvents` takes the ids out of every chunk before the
+client sees it and keeps:
+- `ids`: the generated token ids the client's text comes from, in order;
+- `clean`: how many of them are covered by text already sent. An engine holds back the text
+  of a token that ends inside a multi-byte character (vLLM sends its ids with empty text;
+  the shim sends them with the text that completes the character), so the ids after
+  `clean` have no text at the client yet: the continuation does not keep them but
+  generates them again, and their text comes with it, whole;
+- `failure`: the error event that ended the leg (the relay's, router/flows/common.py), held
+  back from the client, and `finished` once a chunk carried a finish_reason.
+
+After `continue_as`, chunks come from a continuation (a completion whatever the client
+asked): they are stamped with the client stream's id, created and model, turned into chat
+chunks for a chat stream, and its usage is billed as one request (the original prompt, all
+completion tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+__all__ = ["Head", "ResumeEvents"]
+
+_decode = msgspec.json.Decoder().decode
+_encode = msgspec.json.Encoder().encode
+_DATA = b"data: "
+_DONE_EVENT = b"data: [DONE]\n\n"
+
+
+@dataclass(slots=True)
+class Head:
+    """The client stream's identity (its first chunk's `id`, `created`, `model`), stamped
+    on every chunk a continuation sends; `chat`: the client's stream is chat chunks."""
+
+    id: Any
+    created: Any
+    model: Any
+    chat: bool
+
+    def rewrite(self, chunk: dict[str, Any]) -> dict[str, Any]:
+        """A continuation's completion chunk as the client's stream has it: same id,
+        created and model; for a chat stream, a chat chunk with the text as its delta."""
+        if self.id is None:  # the failed leg sent no chunk: the continuation's identity
+            self.id, self.created, self.model = (chunk.get("id"), chunk.get("created"),
+                                                 chunk.get("model"))
+        out: dict[str, Any] = {
+            "id": self.id, "object": "chat.completion.chunk" if self.chat
+            else "text_completion", "created": self.created, "model": self.model}
+        choices = chunk.get("choices") or []
+        out["choices"] = [_chat_choice(c) for c in choices] if self.chat else choices
+        if "usage" in chunk:
+            out["usage"] = chunk["usage"]
+        return out
+
+
+def _chat_choice(c: dict[str, Any]) -> dict[str, Any]:
+    text = c.get("text") or ""
+    return {"index": c.get("index", 0), "delta": {"content": text} if text else {},
+            "logprobs": None, "finish_reason": c.get("finish_reason"),
+            "stop_reason": c.get("stop_reason")}
+
+
+class ResumeEvents:
+    """Reads one client stream's events across its legs (see the module doc). `chat`: the
+    client asked for chat chunks; `wants_usage`: for the usage chunk."""
+
+    def __init__(self, chat: bool, wants_usage: bool) -> None:
+        self.chat = chat
+        self.wants_usage = wants_usage
+        self.ids: list[int] = []
+        self.clean = 0
+        self.failure: bytes | None = None  # the error event, as the relay wrote it
+        self.finished: str | None = None
+        self.usage_sent = False
+        self.head: Head | None = None
+        self._buf = b""
+        self._leg = 0
+        self._billed = 0  # completion tokens of the legs before the current one
+        self._prompt_tokens = 0
+        self._open_chat = False  # a chat continuation must first send the role delta
+
+    @property
+    def legs(self) -> int:
+        """Legs the stream has had (1 + continuations)."""
+        return self._leg + 1
+
+    def continue_as(self, prompt_tokens: int) -> None:
+        """A continuation takes over: its prompt kept `ids[:clean]` (the rest it generates
+        again); its usage is billed with `prompt_tokens` (the client's prompt)."""
+        del self.ids[self.clean:]
+        self._leg += 1
+        self._billed = self.clean
+        self._prompt_tokens = prompt_tokens
+        self._buf = b""
+        self.failure = None
+        if self.head is None:
+            self.head = Head(None, None, None, self.chat)
+            self._open_chat = self.chat
+
+    def feed(self, piece: bytes) -> bytes:
+        """The client's bytes for `piece`: its whole events (a partial one is held),
+        token ids removed, an error event and `[DONE]` held back (`end`)."""
+        data = self._buf + piece if self._buf else piece
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._buf = data
+            return b""
+        self._buf = data[end + 2:]
+        out = [self._event(e.strip(b"\n")) for e in data[:end].split(b"\n\n")]
+        return b"".join(out)
+
+    def end(self) -> bytes:
+        """How the client's stream ends when no continuation follows: the held error event
+        (if any; a stream that had finished gets its usage instead) and `[DONE]`."""
+        if self.failure is not None and self.finished is None:
+            return self.failure + _DONE_EVENT
+        return _DONE_EVENT
+
+    def usage_event(self) -> bytes:
+        """The usage chunk of a finished stream whose leg died before sending its own
+        (empty when the client did not ask for it or already has it)."""
+        if not self.wants_usage or self.usage_sent or self.head is None:
+            return b""
+        self.usage_sent = True
+        completion = len(self.ids)
+        usage = {"prompt_tokens": self._prompt_tokens, "completion_tokens": completion,
+                 "total_tokens": self._prompt_tokens + completion}
+        chunk = {"id": self.head.id, "object": "chat.completion.chunk" if self.chat
+                 else "text_completion", "created": self.head.created,
+                 "model": self.head.model, "choices": [], "usage": usage}
+        return _DATA + _encode(chunk) + b"\n\n"
+
+    def bill_prompt(self, prompt_tokens: int) -> None:
+        """The prompt's token count for a usage chunk made by the router."""
+        self._prompt_tokens = prompt_tokens
+
+    def _event(self, event: bytes) -> bytes:
+        if not event:
+            return b""
+        if not event.startswith(_DATA):
+            return event + b"\n\n"  # a comment or another SSE field: passed on
+        payload = event[len(_DATA):]
+        if payload == b"[DONE]":
+            return b""  # the migrating stream ends the client's stream itself
+        obj = _decode(payload)
+        if not isinstance(obj, dict):
+            return event + b"\n\n"
+        if "error" in obj:
+            self.failure = event + b"\n\n"
+            return b""
+        return self._chunk(obj)
+
+    def _chunk(self, obj: dict[str, Any]) -> bytes:
+        obj.pop("prompt_token_ids", None)
+        obj.pop("prompt_text", None)
+        if self.head is None:
+            self.head = Head(obj.get("id"), obj.get("created"), obj.get("model"),
+                             obj.get("object") == "chat.completion.chunk")
+        choices = obj.get("choices") or []
+        listed = keep = False
+        for c in choices:
+            ids = c.pop("token_ids", None)
+            c.pop("prompt_token_ids", None)
+            if ids:
+                self.ids.extend(ids)
+                listed = True
+            delta = c.get("delta")
+            text = c.get("text") if "text" in c else (
+                delta.get("content") if isinstance(delta, dict) else None)
+            if text:
+                self.clean = len(self.ids)
+            keep = keep or bool(text) or c.get("finish_reason") is not None or (
+                isinstance(delta, dict) and "role" in delta)
+            if c.get("finish_reason") is not None:
+                self.finished = c["finish_reason"]
+        if self._leg:
+            assert self.head is not None
+            obj = self.head.rewrite(obj)
+        if not choices and obj.get("usage"):
+            return self._usage(obj)
+        if listed and not keep:
+            return b""  # only there to list ids the client did not ask for
+        return self._opening() + _DATA + _encode(obj) + b"\n\n"
+
+    def _opening(self) -> bytes:
+        """A chat continuation whose client has no chunk yet opens with the role delta."""
+        if not self._open_chat or self.head is None:
+            return b""
+        self._open_chat = False
+        role = {"id": self.head.id, "object": "chat.completion.chunk",
+                "created": self.head.created, "model": self.head.model,
+                "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}]}
+        return _DATA + _encode(role) + b"\n\n"
+
+    def _usage(self, obj: dict[str, Any]) -> bytes:
+        if self._leg:
+            got = obj["usage"].get("completion_tokens")
+            completion = self._billed + (got if isinstance(got, int) else 0)
+            obj["usage"] = {"prompt_tokens": self._prompt_tokens,
+                            "completion_tokens": completion,
+                            "total_tokens": self._prompt_tokens + completion}
+        if not self.wants_usage:
+            return b""
+        self.usage_sent = True
+        return _DATA + _encode(obj) + b"\n\n"

@@ -1,0 +1,222 @@
+"""Mid-stream migration on a real 1P2D cluster (shim engines, NIXL, router) on loopback, in
+every P/D mode: `kill -9` a decode engine while 20 streams run, and every stream must
+complete as if nothing happened.
+
+The streams start staggered, so the victim's streams are cut at different token counts; the
+kill itself fires when one of them has received `k` events (k per mode: early, mid-stream,
+right before its last token). What each client must see: one stream with the colocated
+greedy text exactly (the tiny model's vocabulary has byte tokens, so some cuts fall inside
+a multi-byte character), one id, no SSE error event, one `[DONE]`, usage billed as one
+request (the prompt's tokens, `max_tokens` completion tokens). The router counts the
+migrations as `kv` (P's KV moved to the surviving decode engine), and that engine's
+transfer log shows the continuation's blocks arriving over NIXL: more than the original
+prompt's, since the prefix carries the generated tokens too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pdgate.engine_shim.tiny import TINY_MODEL_NAME
+from tests.chaos.cluster import (
+    ChaosCluster,
+    Engine,
+    start_engines,
+    start_router,
+    stop_engines,
+    wait_healthy,
+)
+from tests.e2e.cluster import metric
+
+pytestmark = pytest.mark.slow
+
+N_STREAMS = 20
+MAX_TOKENS = 64
+BLOCK_SIZE = 4  # tests.chaos.cluster's engines
+PROMPTS = [f"Stream {i} wants the tiny model to keep talking for a while." for i in
+           range(N_STREAMS)]
+# The victim's stream whose k-th event fires the kill, per mode: right before its last
+# token (its colocated stream's events less the finishing and usage ones), after P's token
+# and D's first, and mid-stream.
+KILL_AT = {"pull": lambda events: events - 2, "notify": lambda events: 3,
+           "push": lambda events: events // 2}
+CLIENT_DEADLINE_S = 60.0
+
+
+@dataclass
+class Seen:
+    """What one client saw."""
+
+    prompt: str
+    status: int = 0
+    decode: str | None = None
+    ids: set[str] = field(default_factory=set)
+    text: str = ""
+    events: int = 0
+    errors: list[str] = field(default_factory=list)
+    dones: int = 0
+    usage: dict[str, int] | None = None
+    lost: str | None = None
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[list[Engine], int]]:
+    started, port = start_engines(tmp_path_factory.mktemp("migration"), tiny_model_dir,
+                                  prefill=1, decode=2)
+    try:
+        yield started, port
+    finally:
+        stop_engines(started)
+
+
+@pytest.fixture(scope="module")
+def reference(engines: tuple[list[Engine], int]) -> dict[str, tuple[str, int, int]]:
+    """Colocated greedy answers from a decode engine alone: text, prompt tokens, and the
+    number of data events of its stream."""
+    engine = next(e for e in engines[0] if e.role == "decode")
+    out = {}
+    for prompt in PROMPTS:
+        seen = Seen(prompt)
+        with httpx.stream("POST", engine.url + "/v1/completions", timeout=60,
+                          json=_body(prompt, stream=True)) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    _event(seen, line[6:])
+        assert seen.usage is not None and not seen.errors
+        out[prompt] = seen.text, seen.usage["prompt_tokens"], seen.events
+    return out
+
+
+def _body(prompt: str, *, stream: bool) -> dict[str, object]:
+    body: dict[str, object] = {"model": TINY_MODEL_NAME, "prompt": prompt,
+                               "max_tokens": MAX_TOKENS, "temperature": 0,
+                               "ignore_eos": True, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+async def _stream(client: httpx.AsyncClient, url: str, seen: Seen, victim: Engine,
+                  kill_at: int, killed: list[Seen]) -> None:
+    """One client's stream; the kill fires when it is the victim's and has had `kill_at`
+    events."""
+    try:
+        async with asyncio.timeout(CLIENT_DEADLINE_S), client.stream(
+                "POST", url + "/v1/completions", json=_body(seen.prompt, stream=True)) as r:
+            seen.status = r.status_code
+            seen.decode = r.headers.get("x-pdgate-decode-engine")
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    _event(seen, line[6:])
+                    if seen.decode == victim.url and seen.events == kill_at and not killed:
+                        killed.append(seen)
+                        victim.kill()
+    except (TimeoutError, httpx.HTTPError) as exc:
+        seen.lost = repr(exc)
+
+
+def _event(seen: Seen, data: str) -> None:
+    if data == "[DONE]":
+        seen.dones += 1
+        return
+    seen.events += 1
+    obj = json.loads(data)
+    if "error" in obj:
+        seen.errors.append(obj["error"].get("message", ""))
+        return
+    seen.ids.add(obj["id"])
+    for choice in obj["choices"]:
+        assert "token_ids" not in choice, "token ids leaked to a client that did not ask"
+        seen.text += choice.get("text", "")
+    if obj.get("usage"):
+        seen.usage = obj["usage"]
+
+
+async def _run(url: str, victim: Engine, kill_at: dict[str, int]
+               ) -> tuple[list[Seen], list[Seen]]:
+    seen = [Seen(p) for p in PROMPTS]
+    killed: list[Seen] = []
+    limits = httpx.Limits(max_connections=N_STREAMS, max_keepalive_connections=N_STREAMS)
+    async with httpx.AsyncClient(timeout=CLIENT_DEADLINE_S, limits=limits) as client:
+        tasks = []
+        for s in seen:
+            tasks.append(asyncio.create_task(_stream(client, url, s, victim, kill_at[s.prompt],
+                                                      killed)))
+            await asyncio.sleep(0.01)  # staggered: the victim's streams are cut at many k
+        await asyncio.gather(*tasks)
+    return seen, killed
+
+
+@pytest.mark.parametrize("mode", ["pull", "notify", "push"])
+def test_decode_killed_mid_stream_every_stream_completes(
+        mode: str, engines: tuple[list[Engine], int], tiny_model_dir: Path,
+        reference: dict[str, tuple[str, int, int]]) -> None:
+    started, port = engines
+    for e in started:
+        if not e.running:
+            e.restart()
+            wait_healthy(e, 120)
+    cluster = start_router(started, port, tiny_model_dir, mode)
+    try:
+        _scenario(cluster, reference, mode)
+    finally:
+        cluster.stop()
+
+
+def _scenario(cluster: ChaosCluster, reference: dict[str, tuple[str, int, int]], mode: str
+              ) -> None:
+    victim, survivor = cluster.by_role("decode")
+    t0 = time.monotonic()
+    kill_at = {p: KILL_AT[mode](events) for p, (_, _, events) in reference.items()}
+    seen, killed = asyncio.run(_run(cluster.url, victim, kill_at))
+    took = time.monotonic() - t0
+    assert killed, "no stream was served by the victim"
+    cut = [s for s in seen if s.decode == victim.url]
+    kv = metric(cluster.url, "pdgate_migrations_total", f'mode="{mode}",result="kv"')
+    failed = metric(cluster.url, "pdgate_migrations_total", f'mode="{mode}",result="failed"')
+    print(f"\nMIGRATION mode={mode} streams={len(seen)} on_victim={len(cut)} "
+          f"kill_at={kill_at[killed[0].prompt]} migrations_kv={kv} failed_opens={failed} "
+          f"took={took:.1f}s")
+    for s in seen:
+        want, prompt_tokens, _ = reference[s.prompt]
+        where = f"{s.prompt!r} (decode {s.decode})"
+        assert s.lost is None, f"{where}: lost: {s.lost}"
+        assert s.status == 200, where
+        assert s.errors == [], f"{where}: SSE error event {s.errors}"
+        assert s.dones == 1, f"{where}: {s.dones} [DONE]"
+        assert len(s.ids) == 1, f"{where}: chunk ids {s.ids}"
+        assert s.text == want, f"{where}: text {s.text!r}, want {want!r}"
+        assert s.usage == {"prompt_tokens": prompt_tokens, "completion_tokens": MAX_TOKENS,
+                           "total_tokens": prompt_tokens + MAX_TOKENS} or (
+            s.usage is not None and {k: s.usage[k] for k in
+                                     ("prompt_tokens", "completion_tokens", "total_tokens")}
+            == {"prompt_tokens": prompt_tokens, "completion_tokens": MAX_TOKENS,
+                "total_tokens": prompt_tokens + MAX_TOKENS}), f"{where}: usage {s.usage}"
+    # Every stream the kill cut was continued with P's KV (the victim's streams that had
+    # already finished need none).
+    assert kv >= 1, "no migration was counted"
+    _assert_prefix_over_nixl(survivor, reference)
+    victim.start()
+    wait_healthy(victim, 120)
+
+
+def _assert_prefix_over_nixl(survivor: Engine, reference: dict[str, tuple[str, int, int]]
+                             ) -> None:
+    """The surviving decode engine's transfer log has the continuations' blocks (engine
+    request ids `<id>-m1...`), covering more than any original prompt."""
+    log = httpx.get(survivor.url + "/debug/kv_transfers", timeout=10).json()["transfers"]
+    moved = [e for e in log if "-m1" in e["request_id"]]
+    assert moved, f"no continuation's KV reached {survivor.name}: {log[-5:]}"
+    longest_prompt = max(n for _, n, _ in reference.values())
+    covered = max(e["blocks"] for e in moved) * BLOCK_SIZE
+    assert covered > longest_prompt + BLOCK_SIZE, (covered, longest_prompt, moved[:3])

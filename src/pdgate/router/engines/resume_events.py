@@ -10,6 +10,8 @@ client sees it and keeps:
   the shim sends them with the text that completes the character), so the ids after
   `clean` have no text at the client yet: the continuation does not keep them but
   generates them again, and their text comes with it, whole;
+- `untracked`: a chunk had text but no ids (an engine that ignores `return_token_ids`):
+  the stream cannot migrate;
 - `failure`: the error event that ended the leg (the relay's, router/flows/common.py), held
   back from the client, and `finished` once a chunk carried a finish_reason.
 
@@ -78,6 +80,9 @@ class ResumeEvents:
         self.clean = 0
         self.failure: bytes | None = None  # the error event, as the relay wrote it
         self.finished: str | None = None
+        # A chunk had text but listed no ids (an engine without `return_token_ids`): what
+        # the client has is then unknown in tokens, and the stream cannot migrate.
+        self.untracked = False
         self.usage_sent = False
         self.head: Head | None = None
         self._buf = b""
@@ -176,6 +181,7 @@ class ResumeEvents:
                 delta.get("content") if isinstance(delta, dict) else None)
             if text:
                 self.clean = len(self.ids)
+                self.untracked = self.untracked or not ids
             keep = keep or bool(text) or c.get("finish_reason") is not None or (
                 isinstance(delta, dict) and "role" in delta)
             if c.get("finish_reason") is not None:

@@ -39,13 +39,17 @@ def prefill_leg_body(body: Mapping[str, Any], extra: Mapping[str, Any] | None = 
     return _json_encode(b)
 
 
-def decode_leg_body(body: Mapping[str, Any], kv_params: Any | None) -> bytes:
+def decode_leg_body(body: Mapping[str, Any], kv_params: Any | None,
+                    token_ids: bool = False) -> bytes:
     """The D leg's JSON: `kv_params` as its `kv_transfer_params` (None: any the client sent
     are removed, so D computes the prompt itself). A stream always asks D for its final
     usage chunk: the router's token counters need it, and the relay removes it again for
-    a client that did not ask (`strip_usage_events`)."""
+    a client that did not ask (`strip_usage_events`). `token_ids`: D lists each chunk's
+    token ids (`ClientRequest.track_ids`: a stream that may migrate; the client gets none)."""
     b = dict(body)
     b.pop("kv_transfer_params", None)
+    if token_ids:
+        b["return_token_ids"] = True
     if kv_params is not None:
         b["kv_transfer_params"] = kv_params
     if b.get("stream") is True:

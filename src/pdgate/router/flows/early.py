@@ -82,11 +82,9 @@ def eligible(req: ClientRequest) -> bool:
 
 def wants_early(req: ClientRequest) -> bool:
     """May `req`'s first token come from P's listed ids (pull, push with vLLM)? The
-    completions API with one prompt: chat's D leg cannot take token ids. A client that
-    asked for token ids keeps the plain flow; the router's own ask (`track_ids`, for
-    mid-stream migration) does not: the opening chunk then lists P's ids too."""
+    completions API with one prompt: chat's D leg cannot take token ids."""
     return (req.kind == "completion" and not req.batch and eligible(req)
-            and (req.track_ids or not req.body.get(ASK_TOKEN_IDS)))
+            and not req.body.get(ASK_TOKEN_IDS))
 
 
 class TokenText(Protocol):
@@ -173,11 +171,10 @@ def _known_prompt(req: ClientRequest) -> list[int] | None:
 
 def continuation(body: Mapping[str, Any], first: FirstToken) -> dict[str, Any]:
     """The client's body as D continues it: prompt = P's ids plus its token, that many
-    tokens fewer to generate (the decode leg adds the KV params). A `return_token_ids` in
-    `body` is the router's own (`ClientRequest.track_ids`: `wants_early` keeps clients
-    that ask on the plain flow), so D still lists the ids it streams."""
+    tokens fewer to generate (the decode leg adds the KV params)."""
     b = dict(body)
     b["prompt"] = first.prompt_ids + first.token_ids
+    b.pop(ASK_TOKEN_IDS, None)
     if b.get("max_tokens") is None and b.get("max_completion_tokens") is None:
         b["max_tokens"] = COMPLETIONS_DEFAULT_MAX_TOKENS
     for key in ("max_tokens", "max_completion_tokens"):
@@ -202,15 +199,17 @@ def head_chunks(first: FirstToken, chat: bool, include_usage: bool,
     reply = first.reply.reply
     base = {"id": reply.id, "object": "chat.completion.chunk" if chat else
             "text_completion", "created": reply.created, "model": reply.model}
+    ids = {"token_ids": list(first.token_ids)} if token_ids else {}
     events: list[dict[str, Any]] = []
     if chat:
-        events.append(_choice(base, {"delta": {"role": "assistant", "content": ""}}))
+        role = {"delta": {"role": "assistant", "content": ""}}
         if first.text:
-            events.append(_choice(base, {"delta": {"content": first.text}}))
+            events.append(_choice(base, role))
+            events.append(_choice(base, {"delta": {"content": first.text}, **ids}))
+        else:
+            events.append(_choice(base, {**role, **ids}))
     elif first.text or token_ids:
-        events.append(_choice(base, {"text": first.text}))
-    if token_ids:
-        events[-1]["choices"][0]["token_ids"] = list(first.token_ids)
+        events.append(_choice(base, {"text": first.text, **ids}))
     if include_usage:
         for event in events:
             event["usage"] = None  # as the engine's chunks: null until the last

@@ -100,7 +100,7 @@ async def open_continuation(engines: EngineClient, req: ClientRequest, ep: Endpo
     """Open the decode leg that continues a stream the client already has (early first
     token): the client's body with `kv_params` as its `kv_transfer_params`. The stream is
     closed with `stack`."""
-    body = decode_leg_body(req.body, kv_params)
+    body = decode_leg_body(req.body, kv_params, req.track_ids)
     stream = await engines.open_stream(ep.url, req.path, body, ep.pin(req.engine_headers))
     stack.callback(stream.close)
     return stream
@@ -280,10 +280,12 @@ class _DecodeBodies:
                  base: dict[str, Any] | None, count_fallback: Callable[[str], None],
                  abort_prefill: Callable[[PrefillOutcome | None], None]) -> None:
         self._base = req.body if base is None else base  # the early token's continuation
+        self._ids = req.track_ids
         self.prefill = prefill
         self._count_fallback = count_fallback
         self._abort_prefill = abort_prefill
-        self._body = decode_leg_body(self._base, prefill.kv_params if prefill else None)
+        self._body = decode_leg_body(self._base, prefill.kv_params if prefill else None,
+                                     self._ids)
         self._fresh = False  # the params were just dropped; no attempt has run without them
 
     def attempt(self) -> _Attempt:
@@ -300,7 +302,7 @@ class _DecodeBodies:
         if self.prefill is not None and self.prefill.kv_params is not None:
             self._count_fallback("decode_retry")
             self.prefill = None  # billing: D's own usage from now on
-            self._body = decode_leg_body(self._base, None)
+            self._body = decode_leg_body(self._base, None, self._ids)
             self._fresh = True
 
     def take_fresh(self) -> bool:

@@ -35,7 +35,6 @@ from pdgate.router import request_context
 from pdgate.router.engines.resume_events import ResumeEvents
 from pdgate.router.errors import RouterError
 from pdgate.router.flows.base import StreamResult
-from pdgate.router.flows.early import ASK_TOKEN_IDS
 from pdgate.router.flows.resume import continuation_body, declined, remaining_budget
 from pdgate.router.input.schema import ClientRequest, CompletionParams, StreamOptions
 from pdgate.router.tracing import span
@@ -102,7 +101,6 @@ class Migrator:
             return OFF
         reason = "no_tokenizer" if self.tokenize is None else declined(req, self.max_model_len)
         if reason is None:
-            req.body = {**req.body, ASK_TOKEN_IDS: True}
             req.track_ids = True
         return reason
 
@@ -155,6 +153,9 @@ class MigratingStream:
                         failed_at = None
                     yield out
             if ev.failure is None or ev.finished is not None:
+                break
+            if ev.untracked:
+                self._m.metrics.declined.labels("no_token_ids").inc()
                 break
             failed_at = time.perf_counter()
             if not await self._resume(failed_at):

@@ -230,7 +230,8 @@ class NotifyFlow:
     async def _run_decode(self, req: ClientRequest, d_ep: Endpoint, kv: _Leg,
                           t0: float) -> bytes:
         o = self.parts
-        body = decode_leg_body(req.body, None if kv.params is None else remote_prefill(kv.params))
+        body = decode_leg_body(req.body, None if kv.params is None else
+                               remote_prefill(kv.params), req.track_ids)
         try:
             with o.pool.track(d_ep), span("decode_leg", **{"pdgate.engine": d_ep.key}):
                 raw = await o.engines.post_raw(d_ep.url, req.path, body,
@@ -249,7 +250,8 @@ class NotifyFlow:
     async def _open_decode(self, req: ClientRequest, d_ep: Endpoint, kv: _Leg,
                            t0: float) -> StreamResult:
         o = self.parts
-        body = decode_leg_body(req.body, None if kv.params is None else remote_prefill(kv.params))
+        body = decode_leg_body(req.body, None if kv.params is None else
+                               remote_prefill(kv.params), req.track_ids)
         stack = contextlib.ExitStack()
         stack.enter_context(o.pool.track(d_ep))
         try:

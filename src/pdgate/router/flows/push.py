@@ -126,7 +126,7 @@ class PushFlow:
             # --kv-load-failure-policy) instead of its own longer transfer timeout.
             push_deadline=time.time() + self.kv_wait_s, continue_after_prefill=bool(early),
         ).to_params()
-        d_body = decode_leg_body(req.body, remote_prefill(d_params))
+        d_body = decode_leg_body(req.body, remote_prefill(d_params), req.track_ids)
         leg = PrefillLeg.start(o.pool, o.engines, p_ep, req, p_body)
         req.served_by["decode"] = d_ep.key
         watch = self._watch(req, leg, p_ep, d_ep)
@@ -167,7 +167,7 @@ class PushFlow:
                 d_params = identity.decode_params(vllm_request_id(req))
             watch.redrive_ok = True
             for _ in range(2):  # once more at most: P's answer has settled what D needs
-                body = decode_leg_body(req.body, d_params)
+                body = decode_leg_body(req.body, d_params, req.track_ids)
                 try:
                     if req.stream:
                         return await self._open_decode(req, d_ep, body, watch, t0)
@@ -291,8 +291,8 @@ class PushFlow:
         if token is None:  # D waits for a token P will not name
             stack.close()
             self.aborter.abort(d_ep.url, req.request_id)
-            return await self._open_decode(req, d_ep, decode_leg_body(req.body, None),
-                                           watch, t0)
+            body = decode_leg_body(req.body, None, req.track_ids)
+            return await self._open_decode(req, d_ep, body, watch, t0)
         ids = token.token_ids
 
         async def rest(inner: contextlib.ExitStack) -> AsyncIterator[bytes]:

@@ -78,7 +78,8 @@ def remaining_budget(req: ClientRequest, kept: int, prompt_len: int,
 
 def continuation_body(req: ClientRequest, prompt: list[int], budget: int) -> dict[str, Any]:
     """The continuation's completion body: `prompt` (the original prompt's ids plus the
-    tokens kept), `budget` tokens, streamed with ids and usage."""
+    tokens kept), `budget` tokens, streamed with usage (its decode legs add the ask for
+    token ids: the continuation is a request with `track_ids`)."""
     if req.kind == "completion":
         b = {k: v for k, v in req.body.items()
              if k not in ("kv_transfer_params", "max_completion_tokens")}
@@ -88,5 +89,4 @@ def continuation_body(req: ClientRequest, prompt: list[int], budget: int) -> dic
     b["max_tokens"] = budget
     b["stream"] = True
     b["stream_options"] = {"include_usage": True}
-    b[ASK_TOKEN_IDS] = True
     return b

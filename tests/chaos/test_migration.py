@@ -43,6 +43,9 @@ MAX_TOKENS = 64
 BLOCK_SIZE = 4  # tests.chaos.cluster's engines
 PROMPTS = [f"Stream {i} wants the tiny model to keep talking for a while." for i in
            range(N_STREAMS)]
+# Every fourth stream is a chat completion: its continuation is a completion over the
+# rendered template's ids, relayed as chat chunks.
+CHAT = frozenset(PROMPTS[3::4])
 # The victim's stream whose k-th event fires the kill, per mode: right before its last
 # token (its colocated stream's events less the finishing and usage ones), after P's token
 # and D's first, and mid-stream.
@@ -59,6 +62,8 @@ class Seen:
     status: int = 0
     decode: str | None = None
     ids: set[str] = field(default_factory=set)
+    objects: set[str] = field(default_factory=set)
+    roles: int = 0
     text: str = ""
     events: int = 0
     errors: list[str] = field(default_factory=list)
@@ -86,7 +91,7 @@ def reference(engines: tuple[list[Engine], int]) -> dict[str, tuple[str, int, in
     out = {}
     for prompt in PROMPTS:
         seen = Seen(prompt)
-        with httpx.stream("POST", engine.url + "/v1/completions", timeout=60,
+        with httpx.stream("POST", engine.url + _path(prompt), timeout=60,
                           json=_body(prompt, stream=True)) as r:
             assert r.status_code == 200
             for line in r.iter_lines():
@@ -97,10 +102,17 @@ def reference(engines: tuple[list[Engine], int]) -> dict[str, tuple[str, int, in
     return out
 
 
+def _path(prompt: str) -> str:
+    return "/v1/chat/completions" if prompt in CHAT else "/v1/completions"
+
+
 def _body(prompt: str, *, stream: bool) -> dict[str, object]:
-    body: dict[str, object] = {"model": TINY_MODEL_NAME, "prompt": prompt,
-                               "max_tokens": MAX_TOKENS, "temperature": 0,
-                               "ignore_eos": True, "stream": stream}
+    body: dict[str, object] = {"model": TINY_MODEL_NAME, "max_tokens": MAX_TOKENS,
+                               "temperature": 0, "ignore_eos": True, "stream": stream}
+    if prompt in CHAT:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -112,7 +124,7 @@ async def _stream(client: httpx.AsyncClient, url: str, seen: Seen, victim: Engin
     events."""
     try:
         async with asyncio.timeout(CLIENT_DEADLINE_S), client.stream(
-                "POST", url + "/v1/completions", json=_body(seen.prompt, stream=True)) as r:
+                "POST", url + _path(seen.prompt), json=_body(seen.prompt, stream=True)) as r:
             seen.status = r.status_code
             seen.decode = r.headers.get("x-pdgate-decode-engine")
             async for line in r.aiter_lines():
@@ -135,9 +147,14 @@ def _event(seen: Seen, data: str) -> None:
         seen.errors.append(obj["error"].get("message", ""))
         return
     seen.ids.add(obj["id"])
+    seen.objects.add(obj["object"])
     for choice in obj["choices"]:
         assert "token_ids" not in choice, "token ids leaked to a client that did not ask"
-        seen.text += choice.get("text", "")
+        if "delta" in choice:
+            seen.text += choice["delta"].get("content") or ""
+            seen.roles += "role" in choice["delta"]
+        else:
+            seen.text += choice.get("text", "")
     if obj.get("usage"):
         seen.usage = obj["usage"]
 
@@ -195,6 +212,9 @@ def _scenario(cluster: ChaosCluster, reference: dict[str, tuple[str, int, int]],
         assert s.errors == [], f"{where}: SSE error event {s.errors}"
         assert s.dones == 1, f"{where}: {s.dones} [DONE]"
         assert len(s.ids) == 1, f"{where}: chunk ids {s.ids}"
+        chat = s.prompt in CHAT
+        assert s.objects == {"chat.completion.chunk" if chat else "text_completion"}, where
+        assert s.roles == (1 if chat else 0), f"{where}: {s.roles} role deltas"
         assert s.text == want, f"{where}: text {s.text!r}, want {want!r}"
         assert s.usage == {"prompt_tokens": prompt_tokens, "completion_tokens": MAX_TOKENS,
                            "total_tokens": prompt_tokens + MAX_TOKENS} or (

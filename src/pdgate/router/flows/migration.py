@@ -243,4 +243,5 @@ def _continuation(req: ClientRequest, prompt: list[int], budget: int, n: int
     return ClientRequest("completion", "/v1/completions", body, params, rid,
                          {**req.engine_headers, "X-Request-Id": rid}, prompt=prompt,
                          prompt_token_ids=prompt, client_headers=req.client_headers,
-                         client_request_id=req.client_request_id, track_ids=True)
+                         client_request_id=req.client_request_id, track_ids=True,
+                         adapter=req.adapter)  # the same LoRA adapter, if any

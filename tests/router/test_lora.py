@@ -272,6 +272,7 @@ async def test_each_models_adapters_stay_on_its_engines(
         assert _text(beta.text, False) == "<beta-lora>Hello world!"
         assert beta.headers["X-Pdgate-Decode-Engine"] == db.url
         assert db.loads == [{"lora_name": "beta-lora", "lora_path": "/b/lora"}]
+        assert router.metric("pdgate_lora_loads_total", {"model": "beta", "result": "ok"}) == 1
         assert not pa.loads and not da.loads
         assert db.served == [("beta-lora", False)]
         assert {m for m, _ in pa.served + da.served} == {SQL}

@@ -62,10 +62,8 @@ class AdapterRegistry:
     pool listing it, share its process's adapters) holds which adapter, and the loads in
     progress. Event loop only."""
 
-    def __init__(self, engines: EngineClient, metrics: RouterMetrics, *,
-                 load_timeout_s: float = 120.0) -> None:
+    def __init__(self, engines: EngineClient, *, load_timeout_s: float = 120.0) -> None:
         self._engines = engines
-        self._metrics = metrics
         self._timeout_s = load_timeout_s
         self._held: dict[str, dict[str, str | None]] = {}  # url -> adapter -> its root
         self._loads: dict[tuple[str, str], asyncio.Task[None]] = {}
@@ -100,16 +98,18 @@ class AdapterRegistry:
         """The adapters `url` holds, each with the root (load path) it reports."""
         return self._held.get(url, {})
 
-    async def ensure(self, ep: Endpoint, name: str, path: str | None) -> None:
+    async def ensure(self, ep: Endpoint, name: str, path: str | None,
+                     metrics: RouterMetrics) -> None:
         """Return once `ep`'s engine holds `name`: at once if it already does, else after
         the one load of `name` there from `path` (started by the first request that needs
-        it, joined by every other). Raises `AdapterLoadFailed` / `AdapterUnavailable`."""
+        it, joined by every other; counted in `metrics`, the model's view). Raises
+        `AdapterLoadFailed` / `AdapterUnavailable`."""
         if self.holds(ep.url, name):
             return
         key = (ep.url, name)
         task = self._loads.get(key)
         if task is None:
-            task = asyncio.create_task(self._load(ep.url, name, path),
+            task = asyncio.create_task(self._load(ep.url, name, path, metrics),
                                        name=f"lora-load {name}")
             self._loads[key] = task
             task.add_done_callback(lambda t: self._load_done(key, t))
@@ -123,7 +123,8 @@ class AdapterRegistry:
         if not task.cancelled():
             task.exception()  # retrieved: every waiter may have left before it ended
 
-    async def _load(self, url: str, name: str, path: str | None) -> None:
+    async def _load(self, url: str, name: str, path: str | None,
+                    metrics: RouterMetrics) -> None:
         if path is None:
             raise AdapterUnavailable(f"LoRA adapter `{name}` has no source path to load it "
                                      f"from (lora_adapters)", param="model")
@@ -131,12 +132,12 @@ class AdapterRegistry:
         try:
             await self._engines.load_lora_adapter(url, name, path, self._timeout_s)
         except RouterError as exc:
-            self._metrics.child(self._metrics.lora_loads, "failed").inc()
+            metrics.child(metrics.lora_loads, "failed").inc()
             log.warning("loading LoRA adapter %s onto engine %s failed: %s", name, url,
                         exc.message)
             raise AdapterLoadFailed(f"loading LoRA adapter `{name}` onto engine {url} "
                                     f"failed: {exc.message}", param="model") from None
-        self._metrics.child(self._metrics.lora_loads, "ok").inc()
+        metrics.child(metrics.lora_loads, "ok").inc()
         self._held.setdefault(url, {})[name] = path
 
 
@@ -144,11 +145,12 @@ class ModelAdapters:
     """One served model's adapters: those the engines of its pool hold, plus its
     configured sources; whether it may load them (`load_on_demand`)."""
 
-    def __init__(self, registry: AdapterRegistry, pool: EndpointPool, *,
-                 load_on_demand: bool = False,
+    def __init__(self, registry: AdapterRegistry, pool: EndpointPool, metrics: RouterMetrics,
+                 *, load_on_demand: bool = False,
                  sources: Mapping[str, str] | None = None) -> None:
         self.registry = registry
         self.pool = pool
+        self.metrics = metrics  # the model's view: its loads carry its model label
         self.load_on_demand = load_on_demand
         self._sources = dict(sources or {})
 
@@ -210,7 +212,8 @@ class AdapterNeed:
         self.filter("decode", self.model.pool.healthy("decode"))
 
     async def ensure(self, ep: Endpoint) -> None:
-        await self.model.registry.ensure(ep, self.name, self.model.source(self.name))
+        model = self.model
+        await model.registry.ensure(ep, self.name, model.source(self.name), model.metrics)
 
     def forget(self, ep: Endpoint) -> None:
         self.model.registry.forget(ep.url, self.name)

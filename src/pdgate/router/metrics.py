@@ -56,13 +56,13 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32
 _DATA = b"data: "
 # pdgate_engine_breaker_state's values (health.BreakerState.value -> number).
 BREAKER_STATE_VALUES = {"closed": 0, "open": 1, "half-open": 2}
-COMMIT_ENV = "PDGATE_COMMIT"
+COMMIT_ENV = "PDGATE_COMMIT"  # set by the Dockerfile's build argument of the same name
 # The families that carry a leading `model` label when the router serves several models.
 _BY_MODEL = ("requests", "request_duration", "ttft", "inter_token_latency", "prefill_duration",
              "fallbacks", "retries", "disagg_decisions", "engine_healthy", "engine_in_flight",
              "policy_duration", "prefix_lookup_blocks", "prefix_hit_blocks",
              "prefix_index_entries", "kv_event_batches", "kv_event_gaps", "breaker_opened",
-             "engine_breaker_state")  # set by the Dockerfile's build argument of the same name
+             "engine_breaker_state", "lora_loads")
 
 
 class _Breaker(Protocol):
@@ -288,7 +288,7 @@ class RouterMetrics:
             ),
             lora_loads=FastCounter(
                 "pdgate_lora_loads", "LoRA adapter loads the router sent to engines "
-                "(one per engine and adapter, however many requests waited)", ["result"],
+                "(one per engine and adapter, however many requests waited)", [*m, "result"],
                 registry=r,
             ),
             retries=FastCounter(

@@ -168,7 +168,7 @@ async def _serving_state(
         engines = EngineClient.create(config)  # one connection pool for every model
         stack.push_async_callback(engines.close)
 
-        adapters = AdapterRegistry(engines, metrics, load_timeout_s=config.lora_load_timeout_s) \
+        adapters = AdapterRegistry(engines, load_timeout_s=config.lora_load_timeout_s) \
             if config.lora_on else None
 
         async def probe(ep: Endpoint) -> bool:
@@ -244,7 +244,7 @@ async def _open_model(m: _ModelSetup, pool: EndpointPool, parts: _ModelParts,
                                 tokenize_prompts=m.tokenize_prompts, limits=parts.limits,
                                 migration=migration)
     adapters = None if parts.adapters is None else ModelAdapters(
-        parts.adapters, pool, load_on_demand=config.load_on_demand,
+        parts.adapters, pool, parts.metrics, load_on_demand=config.load_on_demand,
         sources=parse_adapter_sources(config.lora_adapters))
     return ServedModel(config, pool, orchestrator, adapters)
 

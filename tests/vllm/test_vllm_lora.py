@@ -47,6 +47,7 @@ from tests.vllm.processes import (
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
+OWN_ENGINES = True  # conftest.py: run before the session's shared engines start
 
 SQL, CHAT = "sql-lora", "chat-lora"
 RANK = 8

@@ -133,6 +133,10 @@ class FakeEngine:
     push_board: PushBoard | None = None
     push_wait_s: float = 10.0  # as D: how long a push leg waits for P's mark (then 500)
     serve_metrics: bool = False  # GET /metrics as vLLM's: one `engine` label per DP rank
+    # With serve_metrics: each rank's (waiting, running, KV usage) as vLLM's gauges say
+    # them (ranks not listed: all 0); the test changes them while the engine runs.
+    load: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    metrics_reads: int = 0  # GET /metrics served
     _next_rank: int = 0
     url: str = ""
     _runner: web.AppRunner | None = None
@@ -266,9 +270,13 @@ class FakeEngine:
         return await handler(request)  # type: ignore[no-any-return]
 
     async def _metrics(self, request: web.Request) -> web.Response:
-        lines = ["# TYPE vllm:num_requests_running gauge"] + [
-            f'vllm:num_requests_running{{model_name="tiny",engine="{r}"}} 0.0'
-            for r in range(self.dp_size)]
+        self.metrics_reads += 1
+        lines = []
+        for i, name in enumerate(("vllm:num_requests_waiting", "vllm:num_requests_running",
+                                  "vllm:kv_cache_usage_perc")):
+            lines.append(f"# TYPE {name} gauge")
+            lines += [f'{name}{{model_name="tiny",engine="{r}"}} '
+                      f'{self.load.get(r, (0.0, 0.0, 0.0))[i]}' for r in range(self.dp_size)]
         return web.Response(text="\n".join(lines) + "\n")
 
     async def _health(self, request: web.Request) -> web.Response:

@@ -226,7 +226,8 @@ async def test_page_shows_engines_charts_and_tables_in_a_real_browser(
 ) -> None:
     state = (await busy.client.get("/dashboard/state")).json()
     assert state["kv"]["kv_transfers"] == 2 and state["kv"]["fallbacks"] == {"no_kv_params": 2}
-    expected = sorted([e["role"], e["url"], "healthy", "closed", "0", "0", "-", MODEL]
+    expected = sorted([e["role"], e["url"], "healthy", "closed", "0", "0", "-", MODEL, "-",
+                       "-"]
                       for e in state["engines"])
     async with browser(tmp_path) as page:
         await page.call("Emulation.setDeviceMetricsOverride", width=1280, height=900,

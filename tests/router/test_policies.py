@@ -226,6 +226,7 @@ def test_registry_lists_builtins_and_rejects_unknown() -> None:
     assert set(POLICIES) == {
         "round-robin", "least-inflight", "power-of-two", "random", "session",
         "consistent-hash", "prefix-aware", "prefix-text", "kv-events",
+        "load-aware",
     }
     assert all(POLICIES[name].type == name for name in POLICIES)
     with pytest.raises(ConfigError, match="least-inflight"):

@@ -91,6 +91,12 @@ class ShimMetrics:
     http_refused: Counter
     ttft: Histogram
     request_duration: Histogram
+    # vLLM's own scheduler gauges under vLLM's names (labels model_name, engine: the DP
+    # rank, always 0 here), so a router reads a shim's load as it reads vLLM's
+    # (router/engine_load.py).
+    vllm_waiting: Gauge
+    vllm_running: Gauge
+    vllm_kv_usage: Gauge
     _series: dict[str, ModelSeries] = field(default_factory=dict)
 
     def series(self, model: str) -> ModelSeries:
@@ -188,6 +194,18 @@ class ShimMetrics:
                 _P + "protocol_errors", "Untrusted frames dropped undecoded or invalid, by "
                 "channel (side_channel, nixl_notice) and reason (oversized, malformed, "
                 "bad_version, bad_sender, internal)", ["channel", "reason"], registry=reg,
+            ),
+            vllm_waiting=Gauge(
+                "vllm:num_requests_waiting", "Requests waiting for KV blocks (vLLM's name)",
+                ["model_name", "engine"], registry=reg,
+            ),
+            vllm_running=Gauge(
+                "vllm:num_requests_running", "Requests in the running batch (vLLM's name)",
+                ["model_name", "engine"], registry=reg,
+            ),
+            vllm_kv_usage=Gauge(
+                "vllm:kv_cache_usage_perc", "Fraction of KV blocks in use, 0..1 (vLLM's "
+                "name)", ["model_name", "engine"], registry=reg,
             ),
             http_refused=Counter(
                 _P + "http_refused", "HTTP requests refused before a handler ran, by reason "

@@ -83,6 +83,11 @@ class Scheduler:
         return self._task is not None
 
     @property
+    def num_running(self) -> int:
+        """Sequences admitted and not finished (running or preempted)."""
+        return len(self._running) + len(self._preempted)
+
+    @property
     def num_waiting(self) -> int:
         """Requests queued for KV blocks (not yet admitted)."""
         return sum(1 for _, fut in self._waiting if not fut.done())

@@ -35,6 +35,7 @@ _METAVARS = {
     "decode_selector": "LABELS", "prefill_port": "PORT", "decode_port": "PORT",
     "engine_scheme": "SCHEME", "k8s_api_url": "URL",
     "kv_events": "URL=ENDPOINT", "disagg_prefix_ratio": "RATIO", "lora_adapters": "NAME=PATH",
+    "decider": "DECIDER",
     "notify_bind": "ENDPOINT", "notify_advertise_host": "HOST", "notify_secret": "SECRET",
     "api_key": "KEY", "api_keys": "KEY", "admin_api_key": "KEY", "engine_api_key": "KEY",
     "cors_allowed_origins": "ORIGIN", "request_id_headers": "HEADER",
@@ -75,8 +76,8 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
                      "(no prefill pool: each request runs whole on a decode engine)"),
     ("prefill_policy", str, "how to pick a prefill engine: round-robin, least-inflight, "
                             "power-of-two, random, session, consistent-hash, prefix-aware, "
-                            "prefix-text, kv-events, or vllm-router's names (params: YAML "
-                            "{type, name, params})"),
+                            "prefix-text, kv-events, load-aware, or vllm-router's names "
+                            "(params: YAML {type, name, params})"),
     ("decode_policy", str, "how to pick a decode engine (same choices as --prefill-policy)"),
     ("passthrough_role", str, "the engines serving the pass-through routes (/v1/embeddings, "
                               "/v1/rerank, /v1/score, /v1/responses, /tokenize, /detokenize, "
@@ -131,6 +132,14 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("lora_load_timeout_s", float, "max seconds one adapter load may take (then 503)"),
     ("disagg_prefix_ratio", float, "run on a decode engine alone when one already holds at "
                                    "least this fraction (0..1] of the prompt (default: off)"),
+    ("decider", str, "whether to disaggregate each request: static (--disagg-min-tokens, "
+                     "--disagg-prefix-ratio) or measured-cost (the cheaper predicted time to "
+                     "first token of P then D or D alone, within those bounds; params: YAML "
+                     "{type, params})"),
+    ("engine_load_interval_s", float, "seconds between reads of each engine's /metrics "
+                                      "(queue, KV usage) for load-aware policies, the "
+                                      "measured-cost decider and the dashboard (default: 1 "
+                                      "when one of those reads them; 0: never)"),
     ("discovery", str, "where engines come from: static (--prefill/--decode); k8s (watch "
                        "pods by label; --prefill/--decode may add fixed ones)"),
     ("namespace", str, "k8s: namespace to watch (default: the router pod's own)"),
@@ -233,9 +242,10 @@ _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "health_success_threshold", "startup_wait_s")),
     ("routing", ("prefill_policy", "decode_policy", "passthrough_role", "prefix_block_size",
                  "prefix_index_max_blocks", "kv_events", "disagg_min_tokens",
-                 "disagg_prefix_ratio", "enable_lora", "lora_adapters", "lora_load_timeout_s",
-                 "eject_consecutive_errors", "breaker_open_s", "max_retries",
-                 "retry_backoff_s", "max_migrations", "migration_deadline_s")),
+                 "disagg_prefix_ratio", "decider", "engine_load_interval_s", "enable_lora",
+                 "lora_adapters", "lora_load_timeout_s", "eject_consecutive_errors",
+                 "breaker_open_s", "max_retries", "retry_backoff_s", "max_migrations",
+                 "migration_deadline_s")),
     ("flows", ("pd_mode", "early_first_token", "prefill_timeout_s",
                "decode_first_byte_timeout_s", "decode_idle_timeout_s", "kv_abort_timeout_s",
                "kv_ready_timeout_s", "notify_bind", "notify_advertise_host", "notify_secret",

@@ -87,6 +87,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     passthrough_role: Literal["decode", "prefill"] | msgspec.UnsetType = msgspec.UNSET
     disagg_min_tokens: int | msgspec.UnsetType = msgspec.UNSET
     disagg_prefix_ratio: float | None | msgspec.UnsetType = msgspec.UNSET
+    decider: str | PolicySpec | msgspec.UnsetType = msgspec.UNSET
     early_first_token: bool | msgspec.UnsetType = msgspec.UNSET
     kv_events: list[str] | msgspec.UnsetType = msgspec.UNSET
     prefix_block_size: int | msgspec.UnsetType = msgspec.UNSET
@@ -180,6 +181,14 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # (A model's `load_on_demand` or `lora_adapters` turns learning on too: `lora_on`.)
     enable_lora: bool = False
     lora_load_timeout_s: float = 120.0
+    # The disaggregate-or-not decider (router/policies/setup.py: build_decider): "static" (the two
+    # rules above) or "measured-cost" (predicted TTFT of P then D against D alone, within
+    # those rules), a name or a {type, name, params} spec.
+    decider: str | PolicySpec = "static"
+    # Seconds between reads of each engine's /metrics for its queue and KV usage
+    # (router/engine_load.py); None: 1 s when a policy or the decider reads them, else
+    # never; 0: never.
+    engine_load_interval_s: float | None = None
     # KV-ready proxy (notify mode): the zmq PULL endpoint this router binds (port 0:
     # any free port), the host engines should connect to when it binds a wildcard, the HMAC
     # secret engines sign with, and how long a request waits for its KV.
@@ -446,6 +455,9 @@ def _validate_routing(config: RouterConfig) -> None:
     if ratio is not None and not 0 < ratio <= 1:
         raise ConfigError("disagg_prefix_ratio: must be in (0, 1]")
     _validate_lora(config)
+    interval = config.engine_load_interval_s
+    if interval is not None and interval < 0:
+        raise ConfigError("engine_load_interval_s: must be >= 0 (0: never)")
     for entry in config.kv_events:
         url, sep, endpoint = entry.rpartition("=")
         if not sep or not url.startswith(("http://", "https://")) or "://" not in endpoint:

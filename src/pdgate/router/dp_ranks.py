@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["RANK_HEADER", "dp_size_of_metrics", "endpoint_key", "rank_endpoint",
-           "split_key"]
+__all__ = ["RANK_HEADER", "dp_size_of_metrics", "endpoint_key", "engine_series",
+           "rank_endpoint", "split_key"]
 
 # vLLM's API server reads this header (entrypoints/generate/base/serving.py) and sends
 # the request to that rank's engine core; vllm-router uses the same name.
@@ -54,12 +54,47 @@ def rank_endpoint(endpoint: str, rank: int) -> str:
 
 
 # vLLM labels its per-engine-core series with `engine="<dp rank>"` (one series per rank
-# behind the API server), e.g. `vllm:num_requests_running{engine="1",model_name="m"}`.
-_ENGINE_LABEL = re.compile(rb'^vllm:num_requests_running\{[^}]*\bengine="(\d+)"', re.M)
+# behind the API server), e.g. `vllm:num_requests_running{engine="1",model_name="m"}`; a
+# series without that label belongs to the whole engine (rank None).
+_ENGINE_LABEL = re.compile(rb'\bengine="(\d+)"')
+
+
+def engine_series(text: bytes, name: bytes) -> dict[int | None, float]:
+    """The values of the gauge `name` on a Prometheus text page, summed per DP rank (the
+    `engine` label; None for series without it), e.g. `vllm:num_requests_waiting`. Lines
+    that do not parse are skipped: a page is the engine's, not to be trusted."""
+    out: dict[int | None, float] = {}
+    start = 0
+    while (at := text.find(name, start)) >= 0:
+        end = text.find(b"\n", at)
+        end = len(text) if end < 0 else end
+        start = end
+        if at and text[at - 1] != 0x0A:  # a match inside another line (a comment)
+            continue
+        line = text[at + len(name):end]
+        labels = b""
+        if line.startswith(b"{"):
+            close = line.find(b"}")
+            if close < 0:
+                continue
+            labels, line = line[1:close], line[close + 1:]
+        elif not line.startswith(b" "):
+            continue  # another series whose name starts with `name`
+        fields = line.split()
+        if not fields:
+            continue
+        try:
+            value = float(fields[0])
+        except ValueError:
+            continue
+        m = _ENGINE_LABEL.search(labels)
+        rank = int(m.group(1)) if m else None
+        out[rank] = out.get(rank, 0.0) + value
+    return out
 
 
 def dp_size_of_metrics(text: bytes) -> int | None:
     """The number of DP ranks a vLLM `/metrics` page shows (distinct `engine` labels of
     `vllm:num_requests_running`), or None when the page has no such series."""
-    ranks = {int(m) for m in _ENGINE_LABEL.findall(text)}
+    ranks = {r for r in engine_series(text, b"vllm:num_requests_running") if r is not None}
     return len(ranks) if ranks else None

@@ -62,7 +62,9 @@ _BY_MODEL = ("requests", "request_duration", "ttft", "inter_token_latency", "pre
              "fallbacks", "retries", "disagg_decisions", "engine_healthy", "engine_in_flight",
              "policy_duration", "prefix_lookup_blocks", "prefix_hit_blocks",
              "prefix_index_entries", "kv_event_batches", "kv_event_gaps", "breaker_opened",
-             "engine_breaker_state", "lora_loads")
+             "engine_breaker_state", "lora_loads", "decider_switches",
+             "decider_prediction_ratio", "engine_requests_waiting", "engine_requests_running",
+             "engine_kv_usage")
 
 
 class _Breaker(Protocol):
@@ -113,8 +115,14 @@ class RouterMetrics:
     fallbacks: FastCounter  # reason
     retries: FastCounter  # role
     disagg_decisions: FastCounter  # reason
+    decider_switches: FastCounter  # to (disagg | direct): a bucket's mode changed
+    decider_prediction_ratio: FastHistogram  # choice: measured / predicted TTFT
     engine_healthy: FastGauge  # engine, role (1 healthy, 0 not)
     engine_in_flight: FastGauge  # engine, role
+    # engine, role: the engine's own scheduler state from its /metrics (engine_load.py)
+    engine_requests_waiting: FastGauge
+    engine_requests_running: FastGauge
+    engine_kv_usage: FastGauge  # 0..1
     policy_duration: FastHistogram  # role: one endpoint selection (all policy stages)
     prefix_lookup_blocks: FastCounter  # role: full prompt blocks routed
     prefix_hit_blocks: FastCounter  # role: of those, blocks the chosen engine was known to hold
@@ -184,6 +192,16 @@ class RouterMetrics:
         if record is not None:
             record.mode = mode
             record.ttft_s = ttft
+            if record.watcher is not None:
+                record.watcher.first_token(ttft)
+
+    def observe_prefill(self, seconds: float) -> None:
+        """Record one request's prefill leg round trip (`seconds`), for the metric and
+        for whoever watches the request (router/request_context.py)."""
+        self.child(self.prefill_duration).observe(seconds)
+        record = request_context.current()
+        if record is not None and record.watcher is not None:
+            record.watcher.prefill_done(seconds)
 
     def observe_usage(self, model: str, usage: object) -> None:
         """Count one finished request's tokens from its final OpenAI `usage` object
@@ -299,6 +317,16 @@ class RouterMetrics:
                 "pdgate_disagg_decisions", "Disaggregate-or-not decisions", [*m, "reason"],
                 registry=r,
             ),
+            decider_switches=FastCounter(
+                "pdgate_decider_switches", "Measured-cost decider: a prompt-length bucket "
+                "changed its mode", [*m, "to"], registry=r,
+            ),
+            decider_prediction_ratio=FastHistogram(
+                "pdgate_decider_prediction_ratio", "Measured-cost decider: measured / "
+                "predicted time to first token", [*m, "choice"],
+                buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0),
+                registry=r,
+            ),
             engine_healthy=FastGauge(
                 "pdgate_engine_healthy", "1 if the engine's last health check passed",
                 [*m, "engine", "role"], registry=r,
@@ -306,6 +334,18 @@ class RouterMetrics:
             engine_in_flight=FastGauge(
                 "pdgate_engine_in_flight", "Requests in flight per engine", [*m, "engine", "role"],
                 registry=r,
+            ),
+            engine_requests_waiting=FastGauge(
+                "pdgate_engine_requests_waiting", "Requests queued in the engine, as its "
+                "/metrics said (vllm:num_requests_waiting)", [*m, "engine", "role"], registry=r,
+            ),
+            engine_requests_running=FastGauge(
+                "pdgate_engine_requests_running", "Requests running in the engine, as its "
+                "/metrics said (vllm:num_requests_running)", [*m, "engine", "role"], registry=r,
+            ),
+            engine_kv_usage=FastGauge(
+                "pdgate_engine_kv_usage", "Fraction of the engine's KV cache in use, as its "
+                "/metrics said (vllm:kv_cache_usage_perc)", [*m, "engine", "role"], registry=r,
             ),
             policy_duration=FastHistogram(
                 "pdgate_policy_duration_seconds", "Time to select one engine", [*m, "role"],

@@ -72,6 +72,8 @@ class Orchestrator:
         # TTFT counts from the request's arrival (admission queue and tokenization included),
         # as the client sees it.
         record = request_context.current()
+        if record is not None:
+            record.decision = decision.reason
         t0 = record.arrival if record is not None else time.perf_counter()
         if self.migrator is None:
             return await self._run(req, t0, decision.disagg)

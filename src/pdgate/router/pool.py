@@ -19,12 +19,15 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pdgate.router.dp_ranks import RANK_HEADER, endpoint_key
 from pdgate.router.fast_metrics import GaugeChild
 from pdgate.router.health import EngineHealth, HealthSettings
 from pdgate.router.metrics import RouterMetrics
+
+if TYPE_CHECKING:
+    from pdgate.router.engine_load import EngineLoad
 
 __all__ = ["Endpoint", "EndpointPool", "Role"]
 
@@ -48,6 +51,9 @@ class Endpoint:
     healthy: bool = True
     in_flight: int = 0
     draining: bool = False
+    # The engine's own queue and KV usage, from its /metrics (router/engine_load.py);
+    # None until read, or when it cannot be.
+    load: EngineLoad | None = None
     # Thresholded probe verdicts, passive ejection, circuit breaker (router/health.py).
     health: EngineHealth = field(default_factory=EngineHealth, repr=False)
     _in_flight_gauge: GaugeChild | None = field(default=None, repr=False)
@@ -215,7 +221,9 @@ class EndpointPool:
     def _forget_gauges(self, key: str, role: Role) -> None:
         # A removed engine must not linger in /metrics as a stale series.
         m = self._metrics
-        for gauge in (m.engine_in_flight, m.engine_healthy, m.engine_breaker_state):
+        for gauge in (m.engine_in_flight, m.engine_healthy, m.engine_breaker_state,
+                      m.engine_requests_waiting, m.engine_requests_running,
+                      m.engine_kv_usage):
             with contextlib.suppress(KeyError):
                 m.remove(gauge, key, role)
 

@@ -15,8 +15,23 @@ from __future__ import annotations
 import contextvars
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
-__all__ = ["RequestRecord", "bind_ids", "close_record", "current", "open_record"]
+__all__ = ["RequestRecord", "RequestWatcher", "bind_ids", "close_record", "current", "open_record"]
+
+
+class RequestWatcher(Protocol):
+    """Told what a request measured as it happens (the measured-cost decider learns from
+    it: router/policies/measured_cost.py). Called on the event loop; must not block."""
+
+    def prefill_done(self, seconds: float) -> None:
+        """The request's P leg answered after `seconds`."""
+
+    def first_token(self, ttft: float) -> None:
+        """Its first token reached the router `ttft` seconds after its arrival."""
+
+    def ended(self) -> None:
+        """The request is over, however it ended (called once)."""
 
 
 @dataclass(slots=True)
@@ -38,6 +53,9 @@ class RequestRecord:
     completion_tokens: int | None = None
     engines: dict[str, str] = field(default_factory=dict)  # role -> engine URL
     migrations: int | None = None  # continuations of a stream whose decode engine failed
+    decision: str | None = None  # the decider's reason (measured-cost decider)
+    predicted_ttft_s: float | None = None  # its predicted time to first token
+    watcher: RequestWatcher | None = None
 
 
 _current: contextvars.ContextVar[RequestRecord | None] = contextvars.ContextVar(

@@ -194,7 +194,7 @@ class NotifyFlow:
             return self._failed(req, leg, p_ep, d_ep, exc)
         p_ep.health.record_success()
         self.metrics.kv_wait.labels(MODE).observe(time.perf_counter() - leg.t0)
-        o.metrics.child(o.metrics.prefill_duration).observe(time.perf_counter() - leg.t0)
+        o.metrics.observe_prefill(time.perf_counter() - leg.t0)
         return _Leg(leg, NotifyDecodeParams(reservation_id=slot.reservation_id,
                                             num_tokens=n).to_params())
 

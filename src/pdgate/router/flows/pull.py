@@ -87,7 +87,7 @@ class PullFlow:
 
         with span("prefill_leg"):
             reply = await run_leg(parts, "prefill", req, call)
-        parts.metrics.child(parts.metrics.prefill_duration).observe(time.perf_counter() - t0)
+        parts.metrics.observe_prefill(time.perf_counter() - t0)
         kv = reply.kv_params
         if kv is None:
             parts.metrics.count_fallback("no_kv_params")

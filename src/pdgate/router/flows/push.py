@@ -424,8 +424,7 @@ class _Watch:
         self.p_ep.health.record_success()
         self._settled = True
         reply = self.leg.reply()
-        m = self.parts.metrics
-        m.child(m.prefill_duration).observe(time.perf_counter() - self.leg.t0)
+        self.parts.metrics.observe_prefill(time.perf_counter() - self.leg.t0)
         if self.vllm:
             self._settle_vllm(reply.kv_params if reply is not None else None)
             return

@@ -4,8 +4,10 @@ A pure ASGI middleware (streaming answers pass through untouched): it opens the 
 `RequestRecord` (router/request_context.py) so that everything below can note what it
 learns (the completion handler notes the ids and the engines that served, the ones its
 response headers name), watches the response start for the status, and logs once the app
-returned, i.e. after the last byte of a stream. Fields: method, path,
-status, duration_s, request_id, client_request_id, model, mode, fallback, ttft_s,
+returned, i.e. after the last byte of a stream (and tells the request's watcher it ended,
+router/request_context.py). Fields: method, path,
+status, duration_s, request_id, client_request_id, model, mode, fallback, decision (the
+decider's reason), predicted_ttft_s (the measured-cost decider's prediction), ttft_s,
 admission_wait_s, prompt_tokens, completion_tokens, prefill_engine, decode_engine (null
 when unknown), migrations (continuations of a stream whose decode engine failed
 mid-response; null when none was tried), and for a refused request (status >= 400)
@@ -88,6 +90,8 @@ class AccessLogMiddleware:
         try:
             await self.app(scope, receive, watch)
         finally:
+            if record.watcher is not None:
+                record.watcher.ended()
             level = logging.DEBUG if record.path in _QUIET else logging.INFO
             if log.isEnabledFor(level):
                 fields = _fields(record, status, self.pd_mode)
@@ -119,6 +123,9 @@ def _fields(record: RequestRecord, status: int, pd_mode: str) -> dict[str, Any]:
         "model": record.model,
         "mode": _mode(record, pd_mode),
         "fallback": record.fallback,
+        "decision": record.decision,
+        "predicted_ttft_s": None if record.predicted_ttft_s is None
+        else round(record.predicted_ttft_s, 6),
         "ttft_s": None if record.ttft_s is None else round(record.ttft_s, 6),
         "admission_wait_s": None if record.admission_wait_s is None
         else round(record.admission_wait_s, 6),

@@ -29,6 +29,7 @@ from pdgate.router.admission import Admission
 from pdgate.router.config import RouterConfig, model_configs, validate_config
 from pdgate.router.discovery import KubernetesDiscovery
 from pdgate.router.dp_learn import open_dp_learning
+from pdgate.router.engine_load import load_interval_s, open_load_polling
 from pdgate.router.engines.client import EngineClient
 from pdgate.router.errors import RouterError
 from pdgate.router.flows.base import FlowParts
@@ -233,6 +234,10 @@ async def _open_model(m: _ModelSetup, pool: EndpointPool, parts: _ModelParts,
                                                          config.health_interval_s))
     stack.push_async_callback(_cancel, checker)
     routing = await open_routing(config, pool, parts.metrics, stack)
+    interval = load_interval_s(config.engine_load_interval_s, routing.reads_engine_load)
+    if interval:
+        await open_load_polling(pool, parts.engines.metrics_page, parts.metrics, interval,
+                                stack)
     flow_parts = FlowParts(pool, parts.engines,
                            {"prefill": routing.prefill, "decode": routing.decode},
                            parts.metrics, parts.aborter, config.max_retries,

@@ -52,6 +52,11 @@ class EngineState(msgspec.Struct):
     in_flight: int
     consecutive_errors: int
     kv_event_batches: int | None  # KV-event batches received from it (kv-events routing)
+    # The engine's own queue and KV usage from its /metrics (router/engine_load.py); None
+    # when the router does not poll it or could not read it.
+    waiting: float | None = None
+    running: float | None = None
+    kv_usage: float | None = None
 
 
 class TTFTState(msgspec.Struct):
@@ -273,7 +278,9 @@ def _engines(models: ModelTable, metrics: RouterMetrics) -> list[EngineState]:
     batches = _by_label(metrics.kv_event_batches, "engine")
     return [EngineState(ep.key, ep.role, m.name, _status(ep), ep.healthy, ep.draining,
                         ep.health.state.value, ep.in_flight, ep.health.consecutive_errors,
-                        int(batches[ep.key]) if ep.key in batches else None)
+                        int(batches[ep.key]) if ep.key in batches else None,
+                        *((ep.load.waiting, ep.load.running, ep.load.kv_usage)
+                          if ep.load is not None else (None, None, None)))
             for m in models.models for ep in m.pool.all()]
 
 

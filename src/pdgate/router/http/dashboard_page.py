@@ -70,7 +70,8 @@ PAGE = """<!doctype html>
 </div>
 <table>
   <thead><tr><th>Role</th><th>Engine</th><th>Status</th><th>Breaker</th><th>In flight</th>
-    <th>Failed in a row</th><th>KV-event batches</th><th>Model</th></tr></thead>
+    <th>Failed in a row</th><th>KV-event batches</th><th>Model</th>
+    <th>Engine queue (waiting / running)</th><th>Engine KV used</th></tr></thead>
   <tbody id="engines"></tbody>
 </table>
 <h2 id="history-title">Last 15 minutes</h2>
@@ -195,6 +196,8 @@ function render(s) {
     cell(row, String(e.consecutive_errors));
     cell(row, e.kv_event_batches === null ? "-" : String(e.kv_event_batches));
     cell(row, e.model);
+    cell(row, e.waiting === null ? "-" : e.waiting + " / " + e.running);
+    cell(row, e.kv_usage === null ? "-" : Math.round(e.kv_usage * 100) + " %");
   }
   $("history-title").textContent = "Last " + Math.round(s.history_span_s / 60) + " minutes";
   const h = s.history;

@@ -14,6 +14,7 @@ One `Policy` Protocol (`base.py`), one module per policy, a read-only registry
 | `prefix-aware`   | the longest cached prefix (router's own index), unless load is skewed |
 | `prefix-text`    | `prefix-aware` on the prompt's characters (no tokenizer)             |
 | `kv-events`      | like `prefix-aware`, from engines' KV cache events where published    |
+| `load-aware`     | the least load, counting each engine's own queue and KV usage         |
 """
 
 from __future__ import annotations

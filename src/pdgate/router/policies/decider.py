@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from pdgate.router.input.schema import ClientRequest
 
@@ -40,7 +40,19 @@ class Decision:
 
 
 class Decider(Protocol):
-    """Decides per request; called on the event loop, must not block."""
+    """Decides per request; called on the event loop, must not block. Deciders are
+    configured by `--decider` (router/policies/setup.py: `build_decider`): `static`
+    (`PrefixDecider`) or `measured-cost` (router/policies/measured_cost.py)."""
+
+    @property
+    def needs_tokens(self) -> bool:
+        """Whether `decide` reads the prompt's tokens (the router then tokenizes)."""
+        ...
+
+    @property
+    def reads_engine_load(self) -> bool:
+        """Whether `decide` reads engines' own load (the app then polls their /metrics)."""
+        ...
 
     def decide(self, req: ClientRequest) -> Decision:
         """The decision for a tokenized request (`req.prompt_token_ids` set for single
@@ -72,10 +84,13 @@ _COLOCATED = Decision(False, "colocated")
 
 
 class PrefixDecider:
-    """`decide` plus the short-prompt and decode-holds-the-prefix rules (module docstring).
+    """`decide` plus the short-prompt and decode-holds-the-prefix rules (module docstring):
+    the `static` decider. `min_tokens` 0 disables the length rule; `prefix_ratio` None (or
+    no `lookup`) disables the prefix rule. `colocated`: the model has no prefill pool,
+    every answer is no."""
 
-    `min_tokens` 0 disables the length rule; `prefix_ratio` None (or no `lookup`) disables
-    the prefix rule. `colocated`: the model has no prefill pool, every answer is no."""
+    type: ClassVar[str] = "static"
+    reads_engine_load: ClassVar[bool] = False
 
     def __init__(
         self,

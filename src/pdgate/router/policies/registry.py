@@ -15,6 +15,7 @@ from pdgate.router.policies.base import Policy, PolicyEnv, parse_params
 from pdgate.router.policies.consistent_hash import ConsistentHash
 from pdgate.router.policies.kv_aware import KVEventsAware
 from pdgate.router.policies.least_inflight import LeastInflight
+from pdgate.router.policies.load_aware import LoadAware
 from pdgate.router.policies.power_of_two import PowerOfTwo
 from pdgate.router.policies.prefix_aware import PrefixAware
 from pdgate.router.policies.prefix_text import PrefixText
@@ -36,6 +37,7 @@ _BUILTINS: tuple[type[Any], ...] = (
     PrefixAware,
     PrefixText,
     KVEventsAware,
+    LoadAware,
 )
 
 POLICIES: MappingProxyType[str, type[Policy]] = MappingProxyType(

@@ -69,6 +69,14 @@ class Selector:
         return totals
 
     @property
+    def reads_engine_load(self) -> bool:
+        """Whether a scorer reads the engines' own load (`Endpoint.load`): the app then
+        polls their /metrics (router/engine_load.py). Scorers that do say so with a
+        `reads_engine_load` class attribute; the others need not declare it."""
+        return any(getattr(scorer, "reads_engine_load", False)
+                   for scorer, _ in self.policy.scorers)
+
+    @property
     def reads_text(self) -> bool:
         """Whether this policy routes on the prompt's text blocks (`prefix-text`)."""
         return any(scorer.reads_text for scorer, _ in self.policy.scorers)

@@ -8,21 +8,25 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdgate.router.config import RouterConfig
+from pdgate.router.config import ConfigError, PolicySpec, RouterConfig
 from pdgate.router.metrics import RouterMetrics
-from pdgate.router.policies.base import PolicyEnv
-from pdgate.router.policies.decider import DecodePrefixLookup, PrefixDecider
+from pdgate.router.policies.base import PolicyEnv, parse_params
+from pdgate.router.policies.decider import Decider, DecodePrefixLookup, PrefixDecider
 from pdgate.router.policies.kv_events import (
     KVEventIndex,
     parse_kv_event_endpoints,
     running_subscribers,
 )
+from pdgate.router.policies.measured_cost import MeasuredCostDecider, MeasuredCostParams
 from pdgate.router.policies.prefix_index import PrefixIndex, block_hashes
 from pdgate.router.policies.registry import build_policy, check_policy
 from pdgate.router.policies.runner import Selector
 from pdgate.router.pool import EndpointPool
 
-__all__ = ["Routing", "check_routing", "open_routing"]
+__all__ = ["DECIDERS", "Routing", "build_decider", "check_routing", "open_routing"]
+
+DECIDERS = ("static", "measured-cost")
+"""The `--decider` types."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +35,7 @@ class Routing:
 
     prefill: Selector
     decode: Selector
-    decider: PrefixDecider
+    decider: Decider
     env: PolicyEnv
 
     @property
@@ -39,11 +43,18 @@ class Routing:
         """Whether a policy or the decider reads the prompt's tokens."""
         return self.prefill.needs_tokens or self.decode.needs_tokens or self.decider.needs_tokens
 
+    @property
+    def reads_engine_load(self) -> bool:
+        """Whether a policy or the decider reads engines' own load (their /metrics)."""
+        return (self.prefill.reads_engine_load or self.decode.reads_engine_load
+                or self.decider.reads_engine_load)
+
 
 def check_routing(config: RouterConfig) -> None:
     """Fail at startup on bad policy params (`ConfigError` naming policy and field)."""
     check_policy(config.prefill_policy)
     check_policy(config.decode_policy)
+    _decider_params(config.decider)
 
 
 async def open_routing(
@@ -71,12 +82,37 @@ async def open_routing(
     metrics.labels(metrics.prefix_index_entries, "approx").set_function(lambda: len(approx))
     env = PolicyEnv(config.prefix_block_size, approx, exact)
     decode = build_policy(config.decode_policy, env, metrics)
-    decider = PrefixDecider(
+    static = PrefixDecider(
         config.disagg_min_tokens, config.disagg_prefix_ratio,
         _decode_prefix_lookup(pool, env) if config.disagg_prefix_ratio else None,
         colocated=config.pd_mode == "colocated",
     )
+    decider = build_decider(config.decider, static, pool, metrics)
     return Routing(build_policy(config.prefill_policy, env, metrics), decode, decider, env)
+
+
+def _decider_params(spec: str | PolicySpec) -> MeasuredCostParams | None:
+    """The params of a `--decider` spec (None for `static`, which takes none: its bounds
+    are `--disagg-min-tokens` and `--disagg-prefix-ratio`); `ConfigError` names the field."""
+    spec = PolicySpec(type=spec) if isinstance(spec, str) else spec
+    if spec.type not in DECIDERS:
+        raise ConfigError(f"decider: unknown type {spec.type!r} (known: {', '.join(DECIDERS)})")
+    if spec.type == "static":
+        if spec.params:
+            raise ConfigError("decider 'static' takes no params (its bounds are "
+                              "disagg_min_tokens and disagg_prefix_ratio)")
+        return None
+    return parse_params(f"decider {spec.name or spec.type}", spec.params, MeasuredCostParams)
+
+
+def build_decider(spec: str | PolicySpec, static: PrefixDecider, pool: EndpointPool,
+                  metrics: RouterMetrics | None = None) -> Decider:
+    """The decider of `spec`: `static` itself, or the measured-cost decider bounded by
+    `static`'s rules. A per-model config builds one per model the same way."""
+    params = _decider_params(spec)
+    if params is None:
+        return static
+    return MeasuredCostDecider(params, static, pool, metrics)
 
 
 def _decode_prefix_lookup(pool: EndpointPool, env: PolicyEnv) -> DecodePrefixLookup:

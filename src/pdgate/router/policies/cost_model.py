@@ -1,0 +1,119 @@
+"""The measured-cost decider's predictor: time to first token of "P then D" and "D alone".
+
+Pure arithmetic over what the router measured; no clock, no I/O, so it is tested on recorded
+signals (tests/router/test_cost_model.py). The model, per engine `e` and prompt of `n` tokens:
+
+    prefill time on e  = (n + queued_e) / rate_e(bucket(n))
+    TTFT of P then D   = min over P of  prefill time on P          + overhead(bucket(n))
+    TTFT of D alone    = min over D of  prefill time on D (queued_D includes its decode batch)
+
+`queued_e` is the prompt work ahead of the request on `e` in tokens (`Queue`: the prompts
+the router sent there and that have not produced their first token, plus what the engine's
+own `/metrics` shows beyond that). `rate_e` is a prefill rate in tokens/s learned per engine
+and per prompt-length bucket (powers of two from 128 tokens) from the router's measurements:
+each P leg's duration, and each direct request's time to first token. `overhead` is what a
+disaggregated request takes beyond its P leg (KV transfer and D's first step), learned per
+bucket. All three are exponentially weighted moving averages (`alpha`); an engine or bucket
+never measured borrows the nearest figure measured (same engine, other buckets; same
+bucket, other engines), then `prior_tps`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+__all__ = ["CostModel", "Queue", "bucket_of"]
+
+_MIN_SECONDS = 1e-4  # a measurement shorter than this is noise (clock resolution)
+_TOP_BUCKET = 10  # 128 << 10 = 128k tokens and above share a bucket
+
+
+def bucket_of(n: int) -> int:
+    """The prompt-length bucket of `n` tokens: 0 below 256, then one per doubling."""
+    if n < 256:
+        return 0
+    return min(_TOP_BUCKET, int(math.log2(n / 128)))
+
+
+@dataclass(frozen=True, slots=True)
+class Queue:
+    """The prompt work ahead of a new request on one engine, in tokens."""
+
+    key: str  # the endpoint key (router/pool.py)
+    tokens: float
+
+
+@dataclass
+class _Ewma:
+    value: float | None = None
+
+    def add(self, sample: float, alpha: float) -> None:
+        self.value = sample if self.value is None else self.value + alpha * (sample - self.value)
+
+
+@dataclass
+class CostModel:
+    """Learned prefill rates and overheads; see the module docstring. `alpha` in (0, 1]
+    weighs the newest measurement; `prior_tps` is the rate assumed before any."""
+
+    alpha: float = 0.3
+    prior_tps: float = 2000.0
+    _rates: dict[tuple[str, int], _Ewma] = field(default_factory=dict)
+    _overhead: dict[int, _Ewma] = field(default_factory=dict)
+
+    def rate(self, key: str, n: int) -> float:
+        """Prefill tokens/s of engine `key` for an `n`-token prompt (never 0)."""
+        b = bucket_of(n)
+        own = self._rates.get((key, b))
+        if own is not None and own.value is not None:
+            return own.value
+        mine = [(abs(kb - b), e.value) for (k, kb), e in self._rates.items()
+                if k == key and e.value is not None]
+        if mine:
+            return min(mine)[1]
+        same = [e.value for (_, kb), e in self._rates.items() if kb == b and e.value is not None]
+        if same:
+            return sum(same) / len(same)
+        return self.prior_tps
+
+    def overhead(self, n: int) -> float:
+        """Seconds a disaggregated request takes beyond its P leg (0 until measured)."""
+        found = self._overhead.get(bucket_of(n))
+        return found.value if found is not None and found.value is not None else 0.0
+
+    def prefill_s(self, q: Queue, n: int) -> float:
+        """Predicted seconds for engine `q.key` to compute an `n`-token prompt behind
+        `q.tokens` queued tokens."""
+        return (n + q.tokens) / self.rate(q.key, n)
+
+    def best(self, queues: Iterable[Queue], n: int) -> tuple[float, str | None]:
+        """(the least predicted prefill seconds among `queues`, that engine's key);
+        (inf, None) without engines."""
+        found: tuple[float, str | None] = (math.inf, None)
+        for q in queues:
+            s = self.prefill_s(q, n)
+            if s < found[0]:
+                found = (s, q.key)
+        return found
+
+    def ttft_disagg(self, prefill: Iterable[Queue], n: int) -> float:
+        """Predicted TTFT through the best P, then D."""
+        return self.best(prefill, n)[0] + self.overhead(n)
+
+    def ttft_direct(self, decode: Iterable[Queue], n: int) -> float:
+        """Predicted TTFT on the best D alone."""
+        return self.best(decode, n)[0]
+
+    def learn_prefill(self, q: Queue, n: int, seconds: float) -> None:
+        """One measured prefill: `n` prompt tokens behind `q.tokens` took `seconds` on
+        `q.key` (a P leg, or a direct request's time to first token)."""
+        if seconds < _MIN_SECONDS or n <= 0:
+            return
+        ewma = self._rates.setdefault((q.key, bucket_of(n)), _Ewma())
+        ewma.add((n + q.tokens) / seconds, self.alpha)
+
+    def learn_overhead(self, n: int, seconds: float) -> None:
+        """One disaggregated request's time to first token beyond its P leg."""
+        self._overhead.setdefault(bucket_of(n), _Ewma()).add(max(0.0, seconds), self.alpha)

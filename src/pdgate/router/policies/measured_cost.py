@@ -1,0 +1,262 @@
+"""`measured-cost`: disaggregate a request when "P then D" is predicted to give its first
+token sooner than "D alone", from what the router measures.
+
+The static rules stay first and act as bounds an operator sets (router/policies/decider.py:
+`n_gt_1`, `batch_prompt`, `prompt_logprobs`, `short_prompt` below `--disagg-min-tokens`,
+`decode_has_prefix`), then `long_prompt`: prompts over `max_direct_tokens` always
+disaggregate. Otherwise the predictor (router/policies/cost_model.py) compares the two
+times to first token over the healthy engines, with each engine's queue:
+
+- on a P: the prompt tokens of requests this router sent there that are still in their P
+  leg, plus what the engine's `/metrics` shows beyond them (other routers' requests, times
+  the mean prompt length);
+- on a D: the prompt tokens of direct requests still waiting for their first token there,
+  its decode batch (one token each per step), and its queued requests.
+
+Reasons (the `reason` label of `pdgate_disagg_decisions_total`, and the access log's
+`decision` field):
+
+| reason             | disagg | when                                                        |
+|--------------------|--------|-------------------------------------------------------------|
+| `cost_disagg`      | yes    | P then D is predicted cheaper (or the bucket holds that mode) |
+| `cost_direct`      | no     | D alone is predicted cheaper (or the bucket holds that mode) |
+| `decode_itl_guard` | yes    | D alone would be cheaper, but its prefill would stall the   |
+|                    |        | D's running decodes longer than `itl_stall_s`               |
+| `long_prompt`      | yes    | more prompt tokens than `max_direct_tokens`                 |
+
+Hysteresis: each prompt-length bucket keeps a mode; it changes only when the other mode is
+predicted cheaper by more than `margin`, and at most once per `min_dwell_s`, so decisions do
+not flap (`pdgate_decider_switches_total{to}` counts changes). What each request then
+measures (its P leg, its time to first token) teaches the predictor, and the ratio measured
+/ predicted is observed in `pdgate_decider_prediction_ratio{choice}`.
+
+| param               | default | meaning                                                |
+|---------------------|---------|--------------------------------------------------------|
+| `margin`            | 0.2     | how much cheaper the other mode must be (0.2: 20 %)    |
+| `min_dwell_s`       | 1.0     | a bucket keeps a mode at least this long (seconds)     |
+| `itl_stall_s`       | 1.0     | longest stall of a busy D's decodes that D alone may   |
+|                     |         | cause, in seconds (0: no guard)                        |
+| `max_direct_tokens` | 0       | longer prompts always disaggregate (0: no bound)       |
+| `alpha`             | 0.3     | weight of the newest measurement in each average       |
+| `prior_tps`         | 2000    | prefill tokens/s assumed before anything was measured  |
+| `stale_s`           | 5.0     | engine `/metrics` figures older than this are ignored  |
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated, ClassVar
+
+import msgspec
+from msgspec import Meta
+
+from pdgate.router import request_context
+from pdgate.router.input.schema import ClientRequest
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.policies.base import ParamsType
+from pdgate.router.policies.cost_model import CostModel, Queue, bucket_of
+from pdgate.router.policies.decider import Decision, PrefixDecider
+from pdgate.router.pool import Endpoint, EndpointPool
+
+if TYPE_CHECKING:
+    from pdgate.router.engine_load import EngineLoad
+
+__all__ = ["MeasuredCostDecider", "MeasuredCostParams", "Modes"]
+
+
+class MeasuredCostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    margin: Annotated[float, Meta(ge=0.0)] = 0.2
+    min_dwell_s: Annotated[float, Meta(ge=0.0)] = 1.0
+    itl_stall_s: Annotated[float, Meta(ge=0.0)] = 1.0
+    max_direct_tokens: Annotated[int, Meta(ge=0)] = 0
+    alpha: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.3
+    prior_tps: Annotated[float, Meta(gt=0.0)] = 2000.0
+    stale_s: Annotated[float, Meta(gt=0.0)] = 5.0
+
+
+@dataclass
+class Modes:
+    """Hysteresis: each bucket's mode (True: D alone) and when it last changed."""
+
+    margin: float
+    min_dwell_s: float
+    _mode: dict[int, tuple[bool, float]] = field(default_factory=dict)
+
+    def choose(self, bucket: int, t_disagg: float, t_direct: float, now: float) -> bool | None:
+        """The bucket's mode after this prediction (True: D alone); returns None when it
+        kept its mode, else the new mode (a switch)."""
+        direct, since = self._mode.get(bucket, (False, -math.inf))
+        current, other = (t_direct, t_disagg) if direct else (t_disagg, t_direct)
+        if other * (1 + self.margin) < current and now - since >= self.min_dwell_s:
+            self._mode[bucket] = (not direct, now)
+            return not direct
+        return None
+
+    def mode(self, bucket: int) -> bool:
+        return self._mode.get(bucket, (False, 0.0))[0]
+
+
+@dataclass(eq=False)
+class _Pending:
+    """One decided request until it ends: its queue snapshot and what it measured."""
+
+    owner: MeasuredCostDecider
+    req: ClientRequest
+    n: int
+    direct: bool
+    t_decide: float
+    arrival: float
+    queues: dict[str, float]  # endpoint key -> queued tokens at the decision
+    predicted: dict[str, float]  # endpoint key -> predicted prefill seconds there
+    overhead: float  # predicted seconds of a disaggregated request beyond its P leg
+    prefill_s: float | None = None
+    first: bool = False
+
+    def prefill_done(self, seconds: float) -> None:
+        if self.prefill_s is None:
+            self.prefill_s = seconds
+            self.owner._learn_prefill(self, seconds)
+
+    def first_token(self, ttft: float) -> None:
+        if not self.first:
+            self.first = True
+            self.owner._learn_first(self, self.arrival + ttft - self.t_decide)
+
+    def ended(self) -> None:
+        self.owner._pending.pop(self.req.request_id, None)
+
+
+class MeasuredCostDecider:
+    """See the module docstring. Built once per app; `decide` runs on the event loop."""
+
+    type: ClassVar[str] = "measured-cost"
+    Params: ClassVar[ParamsType] = MeasuredCostParams
+    reads_engine_load: ClassVar[bool] = True
+
+    def __init__(self, params: MeasuredCostParams, static: PrefixDecider, pool: EndpointPool,
+                 metrics: RouterMetrics | None = None,
+                 clock: Callable[[], float] = time.perf_counter,
+                 load_clock: Callable[[], float] = time.monotonic) -> None:
+        self.params = params
+        self.static = static
+        self.pool = pool
+        self.metrics = metrics
+        self.model = CostModel(params.alpha, params.prior_tps)
+        self.modes = Modes(params.margin, params.min_dwell_s)
+        self._clock = clock
+        self._load_clock = load_clock
+        self._pending: dict[str, _Pending] = {}
+        self._mean_n = 0.0  # mean prompt tokens of decided requests (EWMA)
+
+    @property
+    def needs_tokens(self) -> bool:
+        return True  # the prediction is per prompt length
+
+    def decide(self, req: ClientRequest) -> Decision:
+        base = self.static.decide(req)
+        ids = req.prompt_token_ids
+        if not base.disagg or ids is None:
+            return base
+        n = len(ids)
+        self._mean_n += 0.1 * (n - self._mean_n) if self._mean_n else n
+        if self.params.max_direct_tokens and n > self.params.max_direct_tokens:
+            return Decision(True, "long_prompt")
+        prefill, decode = self.pool.healthy("prefill"), self.pool.healthy("decode")
+        if not prefill or not decode:
+            return base  # the flow serves it on D alone when no P is up
+        queues = self.queues(prefill, decode)
+        t_pd = self.model.ttft_disagg((Queue(ep.key, queues[ep.key]) for ep in prefill), n)
+        t_d, d_key = self.model.best((Queue(ep.key, queues[ep.key]) for ep in decode), n)
+        direct = self._mode(bucket_of(n), t_pd, t_d)
+        reason = "cost_direct" if direct else "cost_disagg"
+        if direct and self._stalls_decodes(decode, d_key, n):
+            direct, reason = False, "decode_itl_guard"
+        self._watch(req, n, direct, queues, t_d if direct else t_pd, reason)
+        return Decision(not direct, reason)
+
+    def _predict_all(self, queues: dict[str, float], n: int) -> dict[str, float]:
+        return {k: self.model.prefill_s(Queue(k, q), n) for k, q in queues.items()}
+
+    def queues(self, prefill: Sequence[Endpoint], decode: Sequence[Endpoint]) -> dict[str, float]:
+        """Queued prompt tokens per endpoint key (module docstring)."""
+        mine: dict[str, float] = {}
+        count: dict[str, int] = {}
+        for p in self._pending.values():
+            role = "decode" if p.direct else "prefill"
+            key = p.req.served_by.get(role)
+            if key is None or (p.first if p.direct else p.prefill_s is not None):
+                continue
+            mine[key] = mine.get(key, 0.0) + p.n
+            count[key] = count.get(key, 0) + 1
+        now = self._load_clock()
+        out: dict[str, float] = {}
+        for ep in prefill:
+            extra = 0.0
+            load = self._fresh(ep, now)
+            if load is not None:
+                extra = max(0.0, load.queued - count.get(ep.key, 0)) * self._mean_n
+            out[ep.key] = mine.get(ep.key, 0.0) + extra
+        for ep in decode:
+            load = self._fresh(ep, now)
+            batch = float(ep.in_flight) if load is None else max(ep.in_flight, load.running)
+            waiting = 0.0 if load is None else load.waiting * self._mean_n
+            out[ep.key] = mine.get(ep.key, 0.0) + batch + waiting
+        return out
+
+    def _fresh(self, ep: Endpoint, now: float) -> EngineLoad | None:
+        load = ep.load
+        return load if load is not None and now - load.at <= self.params.stale_s else None
+
+    def _mode(self, bucket: int, t_pd: float, t_d: float) -> bool:
+        switched = self.modes.choose(bucket, t_pd, t_d, self._clock())
+        if switched is not None and self.metrics is not None:
+            m = self.metrics
+            m.child(m.decider_switches, "direct" if switched else "disagg").inc()
+        return self.modes.mode(bucket)
+
+    def _stalls_decodes(self, decode: Sequence[Endpoint], key: str | None, n: int) -> bool:
+        """Whether D alone's prefill would stall the best D's running decodes too long."""
+        limit = self.params.itl_stall_s
+        ep = next((e for e in decode if e.key == key), None)
+        if not limit or ep is None:
+            return False
+        busy = ep.in_flight > 0 or (ep.load is not None and ep.load.running > 0)
+        return busy and n / self.model.rate(ep.key, n) > limit
+
+    def _watch(self, req: ClientRequest, n: int, direct: bool, queues: dict[str, float],
+               predicted: float, reason: str) -> None:
+        record = request_context.current()
+        if record is None:
+            return
+        record.predicted_ttft_s = predicted
+        pending = _Pending(self, req, n, direct, self._clock(), record.arrival, queues,
+                           self._predict_all(queues, n), self.model.overhead(n))
+        self._pending[req.request_id] = pending
+        record.watcher = pending
+
+    def _learn_prefill(self, p: _Pending, seconds: float) -> None:
+        key = p.req.served_by.get("prefill")
+        if key is not None and not p.direct:
+            self.model.learn_prefill(Queue(key, p.queues.get(key, 0.0)), p.n, seconds)
+
+    def _learn_first(self, p: _Pending, seconds: float) -> None:
+        role = "decode" if p.direct else "prefill"
+        key = p.req.served_by.get(role)
+        if key is None:
+            return
+        q = Queue(key, p.queues.get(key, 0.0))
+        predicted = p.predicted.get(key, 0.0)
+        if p.direct:
+            self.model.learn_prefill(q, p.n, seconds)
+        elif p.prefill_s is not None:
+            predicted += p.overhead
+            self.model.learn_overhead(p.n, seconds - p.prefill_s)
+        else:
+            return  # a disaggregated request served without its P leg (fallback)
+        if self.metrics is not None and predicted > 0:
+            m = self.metrics
+            m.child(m.decider_prediction_ratio, "direct" if p.direct else "disagg").observe(
+                seconds / predicted)

@@ -1,0 +1,226 @@
+"""The measured-cost decider on recorded signals: the predictor's learning and fallbacks, the
+hysteresis, the guard and the bounds, and learning from what a request measured."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from pdgate.router import request_context
+from pdgate.router.config import ConfigError, PolicySpec
+from pdgate.router.engine_load import EngineLoad
+from pdgate.router.input.schema import ClientRequest, CompletionParams
+from pdgate.router.metrics import RouterMetrics
+from pdgate.router.policies.cost_model import CostModel, Queue, bucket_of
+from pdgate.router.policies.decider import PrefixDecider
+from pdgate.router.policies.measured_cost import MeasuredCostDecider, MeasuredCostParams, Modes
+from pdgate.router.policies.setup import build_decider
+from pdgate.router.pool import EndpointPool
+from pdgate.router.request_context import RequestRecord
+
+P0, P1 = "http://127.0.0.1:9000", "http://127.0.0.1:9001"
+D0, D1 = "http://127.0.0.1:9100", "http://127.0.0.1:9101"
+
+
+@pytest.mark.parametrize(("n", "bucket"), [
+    (1, 0), (255, 0), (256, 1), (511, 1), (512, 2), (4000, 4), (4096, 5), (10**7, 10)])
+def test_buckets_double(n: int, bucket: int) -> None:
+    assert bucket_of(n) == bucket
+
+
+def test_rates_learn_from_recorded_prefills_and_borrow_until_measured() -> None:
+    m = CostModel(alpha=0.5, prior_tps=1000.0)
+    assert m.rate(P0, 1000) == 1000.0  # nothing measured: the prior
+    # Recorded P legs on P0: 1000 tokens behind 1000 queued in 1 s, then alone in 0.5 s.
+    m.learn_prefill(Queue(P0, 1000), 1000, 1.0)
+    assert m.rate(P0, 1000) == 2000.0
+    m.learn_prefill(Queue(P0, 0), 1000, 0.25)
+    assert m.rate(P0, 1000) == 3000.0  # EWMA: 2000 + 0.5 * (4000 - 2000)
+    # Another bucket of P0: its nearest measured bucket; another engine: this bucket's mean.
+    assert m.rate(P0, 200) == 3000.0
+    assert m.rate(D0, 1000) == 3000.0
+    m.learn_prefill(Queue(D0, 0), 1000, 1.0)
+    assert m.rate(D0, 1000) == 1000.0
+    assert m.rate(P1, 1000) == 2000.0  # mean of P0's and D0's
+    # Predictions: queue + prompt over the rate; the best engine wins.
+    assert m.prefill_s(Queue(P0, 2000), 1000) == pytest.approx(1.0)
+    assert m.best([Queue(P0, 5000), Queue(D0, 0)], 1000) == (pytest.approx(1.0), D0)
+    assert m.best([], 1000) == (math.inf, None)
+    # Noise is not learnt.
+    m.learn_prefill(Queue(P0, 0), 1000, 0.0)
+    assert m.rate(P0, 1000) == 3000.0
+
+
+def test_overhead_is_learnt_per_bucket() -> None:
+    m = CostModel(alpha=1.0)
+    assert m.overhead(1000) == 0.0
+    m.learn_overhead(1000, 0.05)
+    assert m.overhead(1000) == 0.05 and m.overhead(100) == 0.0
+    assert m.ttft_disagg([Queue(P0, 0)], 1000) == pytest.approx(1000 / 2000 + 0.05)
+
+
+# Recorded predictions (time s, P then D s, D alone s) -> the bucket's mode after each.
+HYSTERESIS = [
+    # D alone cheaper, but by less than the 20 % margin: stays disaggregated.
+    ([(0.0, 1.0, 0.9), (0.1, 1.0, 0.85)], [False, False]),
+    # Cheaper by more: switches; then P recovers a little (inside the margin): holds.
+    ([(0.0, 1.0, 0.5), (0.1, 0.45, 0.5), (0.2, 0.42, 0.5)], [True, True, True]),
+    # Back when P is cheaper by more than the margin, but not before the 1 s dwell.
+    ([(0.0, 1.0, 0.5), (0.5, 0.2, 0.5), (1.2, 0.2, 0.5)], [True, True, False]),
+    # Alternating predictions (a flapping signal): one switch per dwell at most.
+    ([(t / 10, 1.0 if t % 2 else 0.2, 0.5) for t in range(20)],
+     [False] + [True] * 11 + [False] * 8),
+]
+
+
+@pytest.mark.parametrize(("signals", "modes"), HYSTERESIS)
+def test_hysteresis_on_recorded_predictions(
+    signals: list[tuple[float, float, float]], modes: list[bool],
+) -> None:
+    h = Modes(margin=0.2, min_dwell_s=1.0)
+    got = []
+    for t, t_pd, t_d in signals:
+        h.choose(3, t_pd, t_d, t)
+        got.append(h.mode(3))
+    assert got == modes
+    assert h.mode(4) is False  # other buckets start disaggregated
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def make(params: MeasuredCostParams | None = None, static: PrefixDecider | None = None,
+         ) -> tuple[MeasuredCostDecider, EndpointPool, CollectorRegistry, Clock]:
+    registry = CollectorRegistry()
+    metrics = RouterMetrics.create(registry)
+    pool = EndpointPool([P0, P1], [D0, D1], metrics)
+    clock = Clock()
+    decider = MeasuredCostDecider(params or MeasuredCostParams(prior_tps=1000.0),
+                                  static or PrefixDecider(), pool, metrics, clock, clock)
+    return decider, pool, registry, clock
+
+
+def request(tokens: int, rid: str = "r1", **fields: int) -> ClientRequest:
+    return ClientRequest("completion", "/v1/completions", {"prompt": "x", **fields},
+                         CompletionParams(prompt="x", **fields), rid, {},
+                         prompt_token_ids=list(range(tokens)))
+
+
+def test_a_congested_prefill_pool_sends_long_prompts_to_idle_decoders() -> None:
+    decider, pool, metrics, clock = make()
+    assert decider.decide(request(1000)).reason == "cost_disagg"  # both idle: the static mode
+    for ep in pool.endpoints("prefill"):  # every P's own queue: 6 requests (other routers')
+        ep.load = EngineLoad(4.0, 2.0, 0.5, clock.t)
+    d = decider.decide(request(1000))
+    assert (d.disagg, d.reason) == (False, "cost_direct")
+    assert metrics.get_sample_value("pdgate_decider_switches_total",
+                                             {"to": "direct"}) == 1.0
+    # Short prompts are another bucket, still in its own (disaggregated) mode until its
+    # predictions differ by the margin too.
+    assert decider.decide(request(100)).reason in {"cost_direct", "cost_disagg"}
+    # Stale figures are ignored: back to equal predictions, the bucket holds D alone
+    # (hysteresis) until P is predicted cheaper by the margin.
+    clock.t += 10
+    assert decider.decide(request(1000)).reason == "cost_direct"
+
+
+def test_bounds_and_the_decode_itl_guard() -> None:
+    params = MeasuredCostParams(prior_tps=1000.0, max_direct_tokens=3000, itl_stall_s=0.5,
+                                min_dwell_s=0.0)
+    decider, pool, _, clock = make(params, PrefixDecider(min_tokens=64))
+    for ep in pool.endpoints("prefill"):
+        ep.load = EngineLoad(20.0, 0.0, 0.9, clock.t)
+    assert decider.decide(request(10)).reason == "short_prompt"  # the static bound
+    assert decider.decide(request(4000)).reason == "long_prompt"  # the operator's bound
+    assert decider.decide(request(400, n=2)).reason == "n_gt_1"
+    assert decider.decide(request(400)).reason == "cost_direct"  # 0.4 s stall: allowed
+    for ep in pool.endpoints("decode"):
+        ep.in_flight = 3  # D is decoding: a 0.8 s prefill would stall those streams
+    d = decider.decide(request(800))
+    assert (d.disagg, d.reason) == (True, "decode_itl_guard")
+    assert decider.decide(request(400)).reason == "cost_direct"
+
+
+def test_no_prefill_engine_keeps_the_static_answer() -> None:
+    decider, pool, _, _ = make()
+    for ep in pool.endpoints("prefill"):
+        ep.set_healthy(False)
+    assert decider.decide(request(1000)).reason == "disagg"  # the flow falls back itself
+
+
+def _served(decider: MeasuredCostDecider, req: ClientRequest, role_keys: dict[str, str],
+            arrival: float, prefill_s: float | None, first_s: float) -> RequestRecord:
+    """One request through the decider with a current record, then what it measured."""
+    record = RequestRecord("POST", "/v1/completions", arrival=arrival)
+    token = request_context.open_record(record)
+    try:
+        decider.decide(req)
+        req.served_by.update(role_keys)
+        watcher = record.watcher
+        assert watcher is not None
+        if prefill_s is not None:
+            watcher.prefill_done(prefill_s)
+        watcher.first_token(first_s)
+        watcher.ended()
+    finally:
+        request_context.close_record(token)
+    return record
+
+
+def test_requests_teach_the_predictor_and_the_ratio_is_observed() -> None:
+    decider, _, metrics, clock = make(MeasuredCostParams(prior_tps=1000.0, alpha=1.0))
+    record = _served(decider, request(1000), {"prefill": P0, "decode": D0}, clock.t,
+                     prefill_s=0.5, first_s=0.55)
+    assert record.predicted_ttft_s == pytest.approx(1.0)  # prior: 1000 tokens at 1000/s
+    assert decider.model.rate(P0, 1000) == pytest.approx(2000.0)
+    assert decider.model.overhead(1000) == pytest.approx(0.05)
+    ratio = metrics.get_sample_value("pdgate_decider_prediction_ratio_sum",
+                                     {"choice": "disagg"})
+    assert ratio == pytest.approx(0.55)  # measured 0.55 s of a predicted 1.0 s
+    assert decider._pending == {}  # ended: nothing left queued
+    # The next request is predicted from what was learnt.
+    # (D alone, at P's rate borrowed, is 0.5 s: within the 20 % margin, so P then D holds.)
+    record = _served(decider, request(1000, "r2"), {"prefill": P0, "decode": D0}, clock.t,
+                     prefill_s=0.5, first_s=0.6)
+    assert record.decision is None and decider.modes.mode(bucket_of(1000)) is False
+    assert record.predicted_ttft_s == pytest.approx(0.5 + 0.05)
+
+
+def test_requests_in_their_prefill_count_as_that_engines_queue() -> None:
+    decider, _, _, clock = make()
+    record = RequestRecord("POST", "/v1/completions", arrival=clock.t)
+    token = request_context.open_record(record)
+    try:
+        req = request(1500)
+        decider.decide(req)
+        req.served_by["prefill"] = P0
+    finally:
+        request_context.close_record(token)
+    q = decider.queues(decider.pool.endpoints("prefill"), decider.pool.endpoints("decode"))
+    assert q == {P0: 1500.0, P1: 0.0, D0: 0.0, D1: 0.0}
+    assert record.watcher is not None
+    record.watcher.prefill_done(1.0)
+    q = decider.queues(decider.pool.endpoints("prefill"), decider.pool.endpoints("decode"))
+    assert q[P0] == 0.0
+
+
+def test_decider_specs() -> None:
+    pool = EndpointPool([P0], [D0], RouterMetrics.create(CollectorRegistry()))
+    static = PrefixDecider()
+    assert build_decider("static", static, pool) is static
+    built = build_decider(PolicySpec("measured-cost", params={"margin": 0.5}), static, pool)
+    assert isinstance(built, MeasuredCostDecider) and built.params.margin == 0.5
+    assert built.needs_tokens and built.reads_engine_load
+    with pytest.raises(ConfigError, match="margin"):
+        build_decider(PolicySpec("measured-cost", params={"margin": -1}), static, pool)
+    with pytest.raises(ConfigError, match="unknown type 'fastest'"):
+        build_decider("fastest", static, pool)
+    with pytest.raises(ConfigError, match="takes no params"):
+        build_decider(PolicySpec("static", params={"x": 1}), static, pool)

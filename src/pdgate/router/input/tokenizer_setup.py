@@ -23,7 +23,8 @@ __all__ = ["TOKEN_FEATURES", "log_no_tokenizer", "open_migration_tokenizer", "op
 log = logging.getLogger(__name__)
 
 TOKEN_FEATURES = ("prefix-aware and kv-events policies, --pd-mode notify and push, "
-                  "--disagg-min-tokens, --disagg-prefix-ratio, --tokenize-prompts always")
+                  "--disagg-min-tokens, --disagg-prefix-ratio, --decider measured-cost, "
+                  "--tokenize-prompts always")
 """Every feature that reads prompt tokens, as the startup log names them."""
 
 
@@ -43,6 +44,9 @@ def token_readers(config: RouterConfig) -> list[str]:
         readers.append("--disagg-min-tokens")
     if config.disagg_prefix_ratio:  # 0 or unset: the prefix rule is off
         readers.append("--disagg-prefix-ratio")
+    decider = config.decider if isinstance(config.decider, str) else config.decider.type
+    if decider != "static":  # the measured-cost decider predicts per prompt length
+        readers.append(f"--decider {decider}")
     if config.tokenize_prompts == "always":
         readers.append("--tokenize-prompts always")
     return readers

@@ -37,7 +37,16 @@ def test_promtool_finds_the_exposition_clean(cluster: Cluster, who: str) -> None
     url = {"router": cluster.router, "prefill": cluster.prefill[0],
            "decode": cluster.decode[0]}[who]
     text = scrape(url)
-    assert check_metrics(text) == ""
+    # The shim's three vLLM scheduler gauges keep vLLM's own names (with its `:`), so a
+    # router reads a shim's load as it reads vLLM's; promtool's only remark is about those.
+    vllm = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running",
+            "vllm:num_requests_waiting")
+    colons = [f"{name} metric names should not contain ':'" for name in vllm]
+    said = re.sub(r"^exit \d+: ", "", check_metrics(text))
+    remarks = [line for line in said.splitlines() if line not in colons]
+    assert remarks == []
+    if who != "router":
+        assert all(f"\n{name}{{" in text for name in vllm)
     assert "_created" not in text  # half the series, never read by anyone
 
 

@@ -131,11 +131,15 @@ def _start_time_s(pid: int) -> float:
 
 
 @pytest.mark.parametrize("who", ["prefill", "decode"])
-def test_shims_export_their_own_process_series(cluster: Cluster, who: str) -> None:
-    """Each shim's scrape carries `process_*` series of that shim's process: its start
-    time is the one /proc gives the process listening on the shim's port."""
+def test_shims_export_build_info_and_their_own_process_series(
+    cluster: Cluster, who: str
+) -> None:
+    """Each shim's scrape carries the build info and `process_*` series of that shim's
+    process: its start time is the one /proc gives the process on the shim's port."""
     url = {"prefill": cluster.prefill[0], "decode": cluster.decode[0]}[who]
     got = samples(scrape(url))
+    assert ("pdgate_build_info", frozenset({("version", pdgate_version),
+                                            ("commit", "unknown")})) in got
     names = {name for name, _ in got}
     assert {"process_resident_memory_bytes", "process_virtual_memory_bytes",
             "process_open_fds", "process_max_fds", "process_cpu_seconds_total",

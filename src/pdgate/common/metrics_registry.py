@@ -1,13 +1,29 @@
-"""The Prometheus registry every pdgate process builds its metrics on."""
+"""The Prometheus registry every pdgate process builds its metrics on, and the series every
+such process exports about itself (build info, `process_*`)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Gauge, ProcessCollector
 from prometheus_client.metrics_core import Metric
 
-__all__ = ["NoCreatedRegistry"]
+__all__ = ["COMMIT_ENV", "NoCreatedRegistry", "register_process_series"]
+
+COMMIT_ENV = "PDGATE_COMMIT"  # set by the Dockerfile's build argument of the same name
+
+
+def register_process_series(registry: CollectorRegistry, version: str,
+                            environ: Mapping[str, str]) -> None:
+    """Register on `registry` what a pdgate process says about itself:
+    `pdgate_build_info{version,commit}` (always 1; the commit from `environ`'s PDGATE_COMMIT,
+    the images' build argument, else `unknown`) and the process' own `process_*` series
+    (resident and virtual memory, CPU seconds, open and max fds, start time:
+    prometheus_client's ProcessCollector, read from /proc at each scrape)."""
+    build = Gauge("pdgate_build_info", "pdgate version and commit (always 1)",
+                  ["version", "commit"], registry=registry)
+    build.labels(version, environ.get(COMMIT_ENV) or "unknown").set(1)
+    ProcessCollector(registry=registry)
 
 
 class NoCreatedRegistry(CollectorRegistry):

@@ -7,18 +7,19 @@ router splits them with `sum by (model)`; the series about the engine itself (KV
 transfers, handshakes, the transport probe) carry none. Record a request's series through
 `ShimMetrics.series(model)`, which hands out pre-bound children (no label lookup per token).
 
-Also on the registry: the process' own `process_*` series (resident and virtual memory, CPU
-seconds, open and max fds, start time: prometheus_client's ProcessCollector, read from
-/proc at scrape time), as on the router.
+Also on the registry, as on the router: `pdgate_build_info{version,commit}` (the installed
+pdgate's version) and the process' own `process_*` series (common/metrics_registry.py).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pdgate.common.metrics_registry import NoCreatedRegistry
+from pdgate.common.metrics_registry import NoCreatedRegistry, register_process_series
 
 _P = "pdgate_shim_"
 
@@ -35,6 +36,15 @@ _LATENCY_BUCKETS = (
 )
 _DURATION_BUCKETS = _LATENCY_BUCKETS + (120.0, 300.0, 600.0, 1200.0, 1800.0, 3600.0, 7200.0,
                                         14400.0)
+
+
+def _installed_version() -> str:
+    """The installed pdgate's version (the shim image holds no router code, where
+    `__version__` lives; pyproject's version is the same number, tests/deploy checks it)."""
+    try:
+        return version("pdgate")
+    except PackageNotFoundError:  # a checkout that was never installed
+        return "unknown"
 
 
 @dataclass(frozen=True)
@@ -114,7 +124,7 @@ class ShimMetrics:
     @classmethod
     def create(cls, registry: CollectorRegistry | None = None) -> ShimMetrics:
         reg = registry if registry is not None else NoCreatedRegistry()
-        ProcessCollector(registry=reg)
+        register_process_series(reg, _installed_version(), os.environ)
         return cls(
             registry=reg,
             requests=Counter(_P + "requests", "Requests served", ["model", "role", "status"],

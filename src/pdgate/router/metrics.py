@@ -23,9 +23,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol, TypeVar
 
 import msgspec
-from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client import CollectorRegistry
 
-from pdgate.common.metrics_registry import NoCreatedRegistry
+from pdgate.common.metrics_registry import NoCreatedRegistry, register_process_series
 from pdgate.router import __version__, request_context
 from pdgate.router.fast_metrics import (
     CounterChild,
@@ -56,7 +56,6 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32
 _DATA = b"data: "
 # pdgate_engine_breaker_state's values (health.BreakerState.value -> number).
 BREAKER_STATE_VALUES = {"closed": 0, "open": 1, "half-open": 2}
-COMMIT_ENV = "PDGATE_COMMIT"  # set by the Dockerfile's build argument of the same name
 # The families that carry a leading `model` label when the router serves several models.
 _BY_MODEL = ("requests", "request_duration", "ttft", "inter_token_latency", "prefill_duration",
              "fallbacks", "retries", "disagg_decisions", "engine_healthy", "engine_in_flight",
@@ -261,10 +260,7 @@ class RouterMetrics:
         models): every per-request and per-engine family gets a leading `model` label."""
         r = registry
         m = ["model"] if by_model else []
-        build = FastGauge("pdgate_build_info", "pdgate version and commit (always 1)",
-                          ["version", "commit"], registry=r)
-        build.labels(__version__, os.environ.get(COMMIT_ENV) or "unknown").set(1)
-        ProcessCollector(registry=r)
+        register_process_series(r, __version__, os.environ)
         families = cls(
             requests=FastCounter(
                 "pdgate_requests", "HTTP requests by route and status", [*m, "route", "status"],

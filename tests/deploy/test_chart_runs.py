@@ -10,7 +10,8 @@ A fifth, default values with two router workers, stops the router as Kubernetes 
 Four renders: default values with notify mode and client keys (shim engines); default
 values with nothing set ("nokey": the chart generates the client key); values-vllm.yaml
 (pull mode) and values-vllm.yaml + values-vllm-push.yaml (push mode), where shims stand in
-for vLLM, given the key the vLLM pods get as VLLM_API_KEY. Then: clients need one of the
+for vLLM, given the key the vLLM pods get as VLLM_API_KEY (tests/vllm/test_vllm_chart.py
+runs these two renders with real vLLM engines). Then: clients need one of the
 chart's keys; engines take only the router's key; unsigned or badly signed KV-ready notices
 are dropped by the router's proxy; /dashboard and /admin need the admin key; every probe the
 chart declares answers without credentials.

@@ -11,6 +11,13 @@ columns are each mode's TTFT p50 and latency p50 as a ratio to pull's.
 
     python bench/e2e.py [--requests 64] [--concurrency 4] [--prompt-tokens 480] [--json]
 
+`--prompt-tokens` and `--concurrency` take several values: every mode's cluster is started
+once and runs each (prompt length, concurrency) cell, one table per cell, e.g. the GPU grid
+of docs/benchmarks.md:
+
+    python bench/e2e.py --device cuda --requests 200 --prompt-tokens 480 4000 \
+        --concurrency 1 4 --json
+
 Every process shares the machine's cores, so absolute figures are noisy; compare ratios
 from one run.
 """
@@ -113,23 +120,27 @@ async def one(client: httpx.AsyncClient, text: str, max_tokens: int) -> tuple[fl
 
 
 async def load(url: str, args: argparse.Namespace, offset: int,
-               headers: dict[str, str] | None = None) -> dict[str, float]:
-    limits = httpx.Limits(max_connections=args.concurrency * 2)
+               headers: dict[str, str] | None = None, *, prompt_tokens: int | None = None,
+               concurrency: int | None = None) -> dict[str, float]:
+    """One cell: `args.requests` requests of `prompt_tokens` at `concurrency` (default: the
+    first value of each flag)."""
+    tokens = prompt_tokens or _first(args.prompt_tokens)
+    conc = concurrency or _first(args.concurrency)
+    limits = httpx.Limits(max_connections=conc * 2)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits,
                                  headers=headers) as client:
         for i in range(args.warmup):
-            await one(client, prompt(offset - i - 1, args.prompt_tokens), args.max_tokens)
+            await one(client, prompt(offset - i - 1, tokens), args.max_tokens)
         queue = list(range(offset, offset + args.requests))
         results: list[tuple[float, float]] = []
 
         async def worker() -> None:
             while queue:
                 i = queue.pop()
-                results.append(await one(client, prompt(i, args.prompt_tokens),
-                                         args.max_tokens))
+                results.append(await one(client, prompt(i, tokens), args.max_tokens))
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        await asyncio.gather(*(worker() for _ in range(conc)))
         wall = time.perf_counter() - t0
     ttfts = sorted(r[0] for r in results)
     lats = sorted(r[1] for r in results)
@@ -141,18 +152,30 @@ async def load(url: str, args: argparse.Namespace, offset: int,
     }
 
 
+def _first(value: int | list[int]) -> int:
+    return value[0] if isinstance(value, list) else value
+
+
+def cells(args: argparse.Namespace) -> list[tuple[int, int]]:
+    """Every (prompt tokens, concurrency) pair the flags ask for."""
+    return [(t, c) for t in args.prompt_tokens for c in args.concurrency]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    figures: dict[str, Any] = {}
+    """Figures per cell `"<prompt tokens>x<concurrency>"`, then per mode."""
+    figures: dict[str, Any] = {f"{t}x{c}": {} for t, c in cells(args)}
     with tempfile.TemporaryDirectory(prefix="pdgate-bench-e2e-") as tmp:
         for mode in args.modes:
             proc, url = start(mode, Path(tmp) / mode, args.device, args.router_arg)
             try:
-                # The same prompts in every mode.
-                figures[mode] = asyncio.run(load(url, args, 10_000))
+                for n, (t, c) in enumerate(cells(args)):
+                    # The same prompts in every mode (distinct per cell: no cache reuse).
+                    figures[f"{t}x{c}"][mode] = asyncio.run(load(
+                        url, args, 10_000 + 100_000 * n, prompt_tokens=t, concurrency=c))
             finally:
                 stop(proc)
             print(f"  {mode:<10} done", file=sys.stderr, flush=True)
-    return add_pull_ratios(figures)
+    return {cell: add_pull_ratios(f) for cell, f in figures.items()}
 
 
 def add_pull_ratios(figures: dict[str, Any]) -> dict[str, Any]:
@@ -180,8 +203,10 @@ def table(figures: dict[str, Any]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=64, help="measured requests per mode")
-    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
-    p.add_argument("--prompt-tokens", type=int, default=480, help="approx. prompt length")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[4],
+                   help="requests in flight (several values: one cell each)")
+    p.add_argument("--prompt-tokens", type=int, nargs="+", default=[480],
+                   help="approx. prompt length (several values: one cell each)")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens generated per request")
     p.add_argument("--warmup", type=int, default=4, help="unmeasured requests first")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
@@ -193,7 +218,9 @@ def main() -> int:
     args = p.parse_args()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     figures = run(args)
-    print(table(figures))
+    for cell, f in figures.items():
+        tokens, conc = cell.split("x")
+        print(f"\n{tokens}-token prompts, concurrency {conc}:\n{table(f)}")
     if args.json:
         print(json.dumps({"e2e": figures, "config": {
             "requests": args.requests, "concurrency": args.concurrency,

@@ -320,7 +320,7 @@ class RouterMetrics:
             decider_prediction_ratio=FastHistogram(
                 "pdgate_decider_prediction_ratio", "Measured-cost decider: measured / "
                 "predicted time to first token", [*m, "choice"],
-                buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.11, 1.25, 1.5, 2.0, 4.0),
+                buckets=(0.25, 0.5, 0.67, 0.75, 0.8, 0.9, 1.0, 1.11, 1.25, 1.33, 1.5, 2.0, 4.0),
                 registry=r,
             ),
             engine_healthy=FastGauge(

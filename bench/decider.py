@@ -1,0 +1,199 @@
+"""The measured-cost decider against the static one, on shim engines (tiny model, CPU).
+
+One command, two clusters of 2 prefill + 2 decode shim engines behind `pdgate up`, the same
+load on each: the static decider (every prompt through P then D), then `--decider
+measured-cost`. The load has two phases:
+
+1. a prefill-heavy burst: `--burst` streaming requests of `--long-tokens`-token prompts and
+   4 generated tokens, `--burst-concurrency` at once (the prefill pool queues);
+2. a mixed phase: `--mixed` requests, alternately long prompts with 4 tokens and
+   `--short-tokens`-token prompts with `--decode-tokens` tokens, `--mixed-concurrency` at once.
+
+Per phase and decider: TTFT p90 and request latency p90 (client side: send -> first
+content chunk, send -> [DONE]), the router's decisions by reason, its decider mode switches
+per second, and how close its predictions were: the share of requests whose measured TTFT
+(from the decision) was within +-25 % of the predicted one, and the median measured /
+predicted ratio (`pdgate_decider_prediction_ratio`).
+
+    python bench/decider.py [--burst 48] [--mixed 48] [--json]
+
+All engines and the router share the machine's cores: compare the two deciders within one
+run, not across machines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.e2e import _free_base, one, prompt, stop  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DECIDERS = ("static", "measured-cost")
+MEASURED = """decider:
+  type: measured-cost
+  params: {margin: 0.2, min_dwell_s: 1.0, itl_stall_s: 0.5}
+"""
+
+
+def start(decider: str, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """A 2P2D `pdgate up` with `decider`; the process and the router URL once ready."""
+    base = _free_base(9)
+    config = tmp / f"{decider}.yaml"
+    config.write_text(MEASURED if decider == "measured-cost" else "decider: static\n")
+    argv = [sys.executable, "-m", "pdgate.cli", "up", "--no-demo", "--prefill", "2",
+            "--decode", "2", "--port", str(base), "--engine-port-base", str(base + 1),
+            "--side-channel-port-base", str(base + 5), "--block-size", "16",
+            "--num-blocks", "2048", "--log-dir", str(tmp / decider),
+            f"--router-arg=--config={config}", "--router-arg=--tokenize-prompts=always"]
+    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{base}"
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"pdgate up ({decider}) exited; logs in {tmp / decider}")
+        try:
+            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    stop(proc)
+    raise RuntimeError(f"pdgate up ({decider}) not ready")
+
+
+def scrape(url: str) -> dict[tuple[str, str], float]:
+    """(series name, label text) -> value of the router's decider series."""
+    out: dict[tuple[str, str], float] = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(("pdgate_disagg_decisions_total", "pdgate_decider_")):
+            head, value = line.rsplit(" ", 1)
+            name, _, labels = head.partition("{")
+            out[(name, labels.rstrip("}"))] = float(value)
+    return out
+
+
+def delta(after: dict[tuple[str, str], float], before: dict[tuple[str, str], float],
+          name: str) -> dict[str, float]:
+    return {labels: v - before.get((n, labels), 0.0) for (n, labels), v in after.items()
+            if n == name and v - before.get((n, labels), 0.0) > 0}
+
+
+def prediction(ratio_buckets: dict[str, float]) -> dict[str, float | None]:
+    """Share within +-25 % and the median ratio, from the histogram's bucket deltas."""
+    by_le: dict[float, float] = {}
+    for labels, v in ratio_buckets.items():
+        le = next(p.split("=")[1].strip('"') for p in labels.split(",") if p.startswith("le="))
+        by_le[float(le)] = by_le.get(float(le), 0.0) + v
+    total = by_le.get(float("inf"), 0.0)
+    if not total:
+        return {"within_25pct": None, "median_ratio": None, "observed": 0}
+    median = next(le for le in sorted(by_le) if by_le[le] >= total / 2)
+    return {"within_25pct": (by_le[1.25] - by_le[0.75]) / total, "median_ratio_le": median,
+            "observed": total}
+
+
+async def phase(url: str, jobs: list[tuple[str, int]], concurrency: int) -> dict[str, float]:
+    """Run `jobs` (prompt, max tokens) `concurrency` at a time; client-side p90s."""
+    queue = list(jobs)
+    results: list[tuple[float, float]] = []
+    limits = httpx.Limits(max_connections=concurrency * 2)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        async def worker() -> None:
+            while queue:
+                text, max_tokens = queue.pop(0)
+                results.append(await one(client, text, max_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    ttfts = sorted(r[0] for r in results)
+    lats = sorted(r[1] for r in results)
+    p90 = int(0.9 * (len(results) - 1))
+    return {"ttft_p90_ms": 1000 * ttfts[p90], "latency_p90_ms": 1000 * lats[p90],
+            "ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2], "seconds": wall}
+
+
+def workload(args: argparse.Namespace) -> dict[str, tuple[list[tuple[str, int]], int]]:
+    burst = [(prompt(i, args.long_tokens), 4) for i in range(args.burst)]
+    mixed = [(prompt(10_000 + i, args.long_tokens), 4) if i % 2 == 0 else
+             (prompt(10_000 + i, args.short_tokens), args.decode_tokens)
+             for i in range(args.mixed)]
+    return {"burst": (burst, args.burst_concurrency), "mixed": (mixed, args.mixed_concurrency)}
+
+
+def run_one(decider: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    proc, url = start(decider, tmp)
+    figures: dict[str, Any] = {}
+    try:
+        asyncio.run(phase(url, [(prompt(90_000 + i, args.long_tokens), 4)
+                                for i in range(4)], 1))  # warm-up: KV links, first rates
+        for name, (jobs, conc) in workload(args).items():
+            before = scrape(url)
+            f = asyncio.run(phase(url, jobs, conc))
+            after = scrape(url)
+            switches = sum(delta(after, before, "pdgate_decider_switches_total").values())
+            f["decisions"] = delta(after, before, "pdgate_disagg_decisions_total")
+            f["switches_per_s"] = switches / f["seconds"]
+            f["prediction"] = prediction(
+                delta(after, before, "pdgate_decider_prediction_ratio_bucket"))
+            figures[name] = f
+    finally:
+        stop(proc)
+    print(f"  {decider} done", file=sys.stderr, flush=True)
+    return figures
+
+
+def table(figures: dict[str, Any]) -> str:
+    head = (f"{'phase':<6} {'decider':<14} {'TTFT p50':>9} {'TTFT p90':>9} {'lat p90':>9} "
+            f"{'switch/s':>9} {'pred +-25%':>10}  decisions")
+    rows = [head, "-" * len(head)]
+    for phase_name in ("burst", "mixed"):
+        for decider in figures:
+            f = figures[decider][phase_name]
+            within = f["prediction"]["within_25pct"]
+            decisions = ", ".join(f"{k.split('=')[-1].strip(chr(34))} {int(v)}"
+                                  for k, v in sorted(f["decisions"].items()))
+            rows.append(f"{phase_name:<6} {decider:<14} {f['ttft_p50_ms']:>9.1f} "
+                        f"{f['ttft_p90_ms']:>9.1f} {f['latency_p90_ms']:>9.1f} "
+                        f"{f['switches_per_s']:>9.2f} "
+                        f"{'-' if within is None else f'{100 * within:.0f} %':>10}  "
+                        f"{decisions}")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--burst", type=int, default=48, help="requests in the burst")
+    p.add_argument("--burst-concurrency", type=int, default=16)
+    p.add_argument("--mixed", type=int, default=48, help="requests in the mixed phase")
+    p.add_argument("--mixed-concurrency", type=int, default=6)
+    p.add_argument("--long-tokens", type=int, default=1500, help="long prompts' length")
+    p.add_argument("--short-tokens", type=int, default=64, help="short prompts' length")
+    p.add_argument("--decode-tokens", type=int, default=48,
+                   help="tokens generated by the mixed phase's short prompts")
+    p.add_argument("--json", action="store_true", help="print figures as JSON last line")
+    args = p.parse_args()
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    with tempfile.TemporaryDirectory(prefix="pdgate-bench-decider-") as tmp:
+        figures = {d: run_one(d, args, Path(tmp)) for d in DECIDERS}
+    print(table(figures))
+    if args.json:
+        print(json.dumps({"decider": figures, "config": vars(args)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

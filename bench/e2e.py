@@ -42,8 +42,10 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ("colocated", "pull", "notify", "push")
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron "
-         "pi rho sigma tau upsilon phi chi psi omega").split()
+# Words the tiny tokenizer (engine_shim/tiny.py) keeps as one token each (" the", " of",
+# ...), so `--prompt-tokens N` is N tokens give or take the index: the Greek letters used
+# before took 4 to 7 tokens each, so "480-token" prompts were about 1,980 tokens.
+WORDS = "the of and to in is for with at by from are one time over world".split()
 
 
 def _free_base(count: int) -> int:
@@ -100,7 +102,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def prompt(i: int, tokens: int) -> str:
-    # Distinct per request (no cross-request reuse); ~1 token per word for the tiny tokenizer.
+    # Distinct per request (no cross-request reuse); 1 token per word for the tiny tokenizer.
     words = [WORDS[(i * 7 + k * 3) % len(WORDS)] for k in range(tokens)]
     return f"{i} " + " ".join(words)
 

@@ -392,6 +392,11 @@ def test_notes_tell_how_to_reach_the_router(renderer: Renderer, default: Rendere
      "engines.vllm.kvTransferConfig.kv_connector: NixlConnector does not serve"),
     ({"engineApiKey": {"enabled": False}}, "engineApiKey.enabled: the engine key cannot"),
     ({"engines": {"pdb": {"maxUnavailable": 0}}}, "engines.pdb.maxUnavailable:"),
+    ({"engines": {"autoscaling": {"enabled": True}}, "router": {"config": {
+        "decider": "static"}}}, "engines.autoscaling: the capacity signal comes from"),
+    ({"engines": {"autoscaling": {"enabled": True, "decode": {
+        "minReplicaCount": 4, "maxReplicaCount": 2, "threshold": 0.8}}}},
+     "engines.autoscaling.decode: minReplicaCount must not exceed maxReplicaCount"),
     ({"prometheusRule": {"enabled": True}}, "prometheusRule.enabled: the cluster has no"),
     ({"tracing": {"endpoint": "http://otel:4318", "protocol": "http/protobuf"}},
      "tracing.endpoint: with protocol http/protobuf, give the full URL"),
@@ -402,6 +407,54 @@ def test_bad_settings_fail_with_the_key_named(
     renderer: Renderer, tmp_path: Path, overrides: dict[str, Any], message: str
 ) -> None:
     assert message in renderer.error(write_values(tmp_path, overrides))
+
+
+def test_engine_autoscaling_scales_each_pool_on_the_routers_capacity_signal(
+    renderer: Renderer, default: Rendered, tmp_path: Path
+) -> None:
+    assert default.of("ScaledObject") == []  # optional, off by default
+    assert all("replicas" in d["spec"] for d in engine_deployments(default).values())
+    r = renderer.render(write_values(tmp_path, {"engines": {"autoscaling": {
+        "enabled": True, "decode": {"minReplicaCount": 2, "maxReplicaCount": 6,
+                                    "threshold": 0.7}}}}))
+    for m in r.manifests:  # everything else still validates (Deployments without replicas)
+        if m["kind"] != "ScaledObject":
+            kubernetes_validate.validate(m, KUBE_VERSION, strict=True)
+    engines = engine_deployments(r)
+    scaled = {s["metadata"]["labels"]["pdgate.io/role"]: s for s in r.of("ScaledObject")}
+    assert set(scaled) == {"prefill", "decode"}
+    # A real router's series: the query names a family its registry exposes.
+    registry = CollectorRegistry()
+    RouterMetrics.create(registry)
+    exposed = {m.name for m in registry.collect()}
+    for role, obj in scaled.items():
+        # KEDA's ScaledObject (keda.sh/v1alpha1): no schema in kubernetes-validate; the
+        # fields KEDA reads, checked against the chart's own objects.
+        assert obj["apiVersion"] == "keda.sh/v1alpha1"
+        spec = obj["spec"]
+        assert engines[role]["metadata"]["name"] == spec["scaleTargetRef"]["name"]
+        assert spec["scaleTargetRef"]["kind"] == "Deployment"
+        assert "replicas" not in engines[role]["spec"]  # KEDA owns the count
+        [trigger] = spec["triggers"]
+        assert trigger["type"] == "prometheus"
+        meta = trigger["metadata"]
+        assert all(isinstance(v, str) for v in meta.values())  # KEDA wants strings
+        assert meta["query"] == f'max(pdgate_pd_pressure{{role="{role}"}})'
+        assert "pdgate_pd_pressure" in exposed
+        assert meta["serverAddress"].startswith("http")
+        assert spec["minReplicaCount"] <= spec["maxReplicaCount"]
+    assert (scaled["decode"]["spec"]["minReplicaCount"],
+            scaled["decode"]["spec"]["maxReplicaCount"],
+            scaled["decode"]["spec"]["triggers"][0]["metadata"]["threshold"]) == (2, 6, "0.7")
+    assert scaled["prefill"]["spec"]["triggers"][0]["metadata"]["threshold"] == "1"
+    # The signal comes from the measured-cost decider: the router config turns it on.
+    path = tmp_path / "router.yaml"
+    path.write_text(r.one("ConfigMap", "-router")["data"]["router.yaml"])
+    config = validate_config(load_config(path), frozenset(POLICIES))
+    assert config.decider == "measured-cost"
+    # Engine PDBs stay, one per pool.
+    assert sorted(p["metadata"]["name"] for p in r.of("PodDisruptionBudget")) == [
+        "demo-pdgate-decode", "demo-pdgate-prefill", "demo-pdgate-router"]
 
 
 def test_user_router_config_overrides_and_existing_secrets(

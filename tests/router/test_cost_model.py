@@ -224,3 +224,24 @@ def test_decider_specs() -> None:
         build_decider("fastest", static, pool)
     with pytest.raises(ConfigError, match="takes no params"):
         build_decider(PolicySpec("static", params={"x": 1}), static, pool)
+
+
+def test_capacity_signal_and_recommended_ratio() -> None:
+    params = MeasuredCostParams(prior_tps=1000.0, target_queue_s=1.0, target_kv_usage=0.8)
+    decider, pool, registry, clock = make(params)
+    assert decider.pressure() == (0.0, None) and decider.recommended_ratio() is None
+    assert registry.get_sample_value("pdgate_pd_pressure", {"role": "prefill"}) == 0.0
+    decider.decide(request(1000))  # the mean prompt: 1000 tokens
+    for ep in pool.endpoints("prefill"):  # 3 requests queued on each P: 3000 tokens each
+        ep.load = EngineLoad(3.0, 0.0, 0.5, clock.t)
+    for ep, usage in zip(pool.endpoints("decode"), (0.2, 0.6), strict=True):
+        ep.load = EngineLoad(0.0, 4.0, usage, clock.t)
+    # 6000 queued tokens over 2 x 1000 tokens/s: 3 s; D's mean KV usage 0.4.
+    assert decider.pressure() == (pytest.approx(3.0), pytest.approx(0.4))
+    # P wants 2 x 3 / 1 = 6 engines' worth, D 2 x 0.4 / 0.8 = 1: six P per D.
+    assert decider.recommended_ratio() == pytest.approx(6.0)
+    assert registry.get_sample_value("pdgate_pd_pressure", {"role": "prefill"}) == \
+        pytest.approx(3.0)
+    assert registry.get_sample_value("pdgate_pd_pressure", {"role": "decode"}) == \
+        pytest.approx(0.4)
+    assert registry.get_sample_value("pdgate_pd_recommended_ratio") == pytest.approx(6.0)

@@ -202,6 +202,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- /* Engines reach the proxy at the pod IP (PDGATE_NOTIFY_ADVERTISE_HOST, downward API). */ -}}
 {{- $_ := set $cfg "notify_bind" (printf "tcp://0.0.0.0:%d" (int .Values.router.notifyPort)) -}}
 {{- end -}}
+{{- if .Values.engines.autoscaling.enabled -}}
+{{- /* The capacity signal the ScaledObjects read comes from the measured-cost decider. */ -}}
+{{- $_ := set $cfg "decider" "measured-cost" -}}
+{{- end -}}
 {{- toYaml (merge (deepCopy .Values.router.config) $cfg) -}}
 {{- end -}}
 
@@ -225,6 +229,21 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- range $role := list "prefill" "decode" -}}
 {{- if lt (int (index $.Values.engines $role).replicas) 1 -}}
 {{- fail (printf "engines.%s.replicas: at least one %s engine is needed" $role $role) -}}
+{{- end -}}
+{{- end -}}
+{{- with .Values.engines.autoscaling -}}
+{{- if .enabled -}}
+{{- $decider := index $.Values.router.config "decider" | default "measured-cost" -}}
+{{- if eq (kindOf $decider) "map" -}}{{- $decider = $decider.type -}}{{- end -}}
+{{- if ne $decider "measured-cost" -}}
+{{- fail "engines.autoscaling: the capacity signal comes from the measured-cost decider; router.config.decider must be measured-cost (or unset)" -}}
+{{- end -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $cfg := index $.Values.engines.autoscaling $role -}}
+{{- if gt (int $cfg.minReplicaCount) (int $cfg.maxReplicaCount) -}}
+{{- fail (printf "engines.autoscaling.%s: minReplicaCount must not exceed maxReplicaCount" $role) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
 {{- with .Values.router.autoscaling -}}

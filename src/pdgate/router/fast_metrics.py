@@ -203,6 +203,9 @@ class FastGauge(MetricFamily[GaugeChild]):
     def set(self, value: float) -> None:
         self._unlabelled().set(value)
 
+    def set_function(self, f: Callable[[], float]) -> None:
+        self._unlabelled().set_function(f)
+
     def _samples(self, metric: Metric, labels: dict[str, str], child: GaugeChild) -> None:
         metric.add_sample(self._name, labels, child.get())
 

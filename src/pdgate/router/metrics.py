@@ -63,7 +63,7 @@ _BY_MODEL = ("requests", "request_duration", "ttft", "inter_token_latency", "pre
              "prefix_index_entries", "kv_event_batches", "kv_event_gaps", "breaker_opened",
              "engine_breaker_state", "lora_loads", "decider_switches",
              "decider_prediction_ratio", "engine_requests_waiting", "engine_requests_running",
-             "engine_kv_usage")
+             "engine_kv_usage", "pd_pressure", "pd_recommended_ratio")
 
 
 class _Breaker(Protocol):
@@ -116,6 +116,8 @@ class RouterMetrics:
     disagg_decisions: FastCounter  # reason
     decider_switches: FastCounter  # to (disagg | direct): a bucket's mode changed
     decider_prediction_ratio: FastHistogram  # choice: measured / predicted TTFT
+    pd_pressure: FastGauge  # role: capacity signal (measured-cost decider)
+    pd_recommended_ratio: FastGauge  # P engines per D engine the pressures call for
     engine_healthy: FastGauge  # engine, role (1 healthy, 0 not)
     engine_in_flight: FastGauge  # engine, role
     # engine, role: the engine's own scheduler state from its /metrics (engine_load.py)
@@ -321,6 +323,16 @@ class RouterMetrics:
                 "pdgate_decider_prediction_ratio", "Measured-cost decider: measured / "
                 "predicted time to first token", [*m, "choice"],
                 buckets=(0.25, 0.5, 0.67, 0.75, 0.8, 0.9, 1.0, 1.11, 1.25, 1.33, 1.5, 2.0, 4.0),
+                registry=r,
+            ),
+            pd_pressure=FastGauge(
+                "pdgate_pd_pressure", "Capacity signal (measured-cost decider): prefill, "
+                "seconds of prompt work queued per unit of the P pool's measured "
+                "throughput; decode, the D pool's mean KV usage", [*m, "role"], registry=r,
+            ),
+            pd_recommended_ratio=FastGauge(
+                "pdgate_pd_recommended_ratio", "P engines per D engine that would bring both "
+                "pools' pressure to their targets (0: no pressure to compare)", m,
                 registry=r,
             ),
             engine_healthy=FastGauge(

@@ -40,6 +40,18 @@ measures (its P leg, its time to first token) teaches the predictor, and the rat
 | `alpha`             | 0.3     | weight of the newest measurement in each average       |
 | `prior_tps`         | 2000    | prefill tokens/s assumed before anything was measured  |
 | `stale_s`           | 5.0     | engine `/metrics` figures older than this are ignored  |
+| `target_queue_s`    | 1.0     | prefill pressure the P pool is sized for (seconds)     |
+| `target_kv_usage`   | 0.8     | decode pressure the D pool is sized for (KV fraction)  |
+
+**Capacity signal** (read at each scrape; `pressure()`): `pdgate_pd_pressure{role="prefill"}`
+is the prompt work queued on the healthy P engines over their measured throughput, in
+seconds (Σ queued tokens / Σ prefill tokens/s at the mean prompt length), and
+`pdgate_pd_pressure{role="decode"}` the healthy D engines' mean KV usage from their
+`/metrics` (their decode batches' memory: vLLM preempts at 1.0). `pdgate_pd_recommended_ratio`
+is the P:D ratio (P engines per D engine) that would bring both to their targets:
+(n_P x prefill / `target_queue_s`) / (n_D x decode / `target_kv_usage`), exported only when
+both pools are under some pressure. An autoscaler scales each role on its own pressure
+(the chart's `engines.autoscaling`).
 """
 
 from __future__ import annotations
@@ -75,6 +87,8 @@ class MeasuredCostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     alpha: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.3
     prior_tps: Annotated[float, Meta(gt=0.0)] = 2000.0
     stale_s: Annotated[float, Meta(gt=0.0)] = 5.0
+    target_queue_s: Annotated[float, Meta(gt=0.0)] = 1.0
+    target_kv_usage: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.8
 
 
 @dataclass
@@ -150,6 +164,38 @@ class MeasuredCostDecider:
         self._load_clock = load_clock
         self._pending: dict[str, _Pending] = {}
         self._mean_n = 0.0  # mean prompt tokens of decided requests (EWMA)
+        if metrics is not None:
+            self._publish(metrics)
+
+    def _publish(self, m: RouterMetrics) -> None:
+        """The capacity gauges, computed at each scrape (module docstring)."""
+        m.labels(m.pd_pressure, "prefill").set_function(lambda: self.pressure()[0])
+        m.labels(m.pd_pressure, "decode").set_function(lambda: self.pressure()[1] or 0.0)
+        m.labels(m.pd_recommended_ratio).set_function(lambda: self.recommended_ratio() or 0.0)
+
+    def pressure(self) -> tuple[float, float | None]:
+        """(prefill seconds queued per P's throughput, decode mean KV usage or None when no
+        D reported it) over the healthy engines."""
+        prefill, decode = self.pool.healthy("prefill"), self.pool.healthy("decode")
+        q = self.queues(prefill, ())
+        n = max(1, round(self._mean_n))
+        rates = sum(self.model.rate(ep.key, n) for ep in prefill)
+        p = sum(q.values()) / rates if rates else 0.0
+        now = self._load_clock()
+        usages = [load.kv_usage for ep in decode
+                  if (load := self._fresh(ep, now)) is not None and load.kv_usage is not None]
+        return p, (sum(usages) / len(usages) if usages else None)
+
+    def recommended_ratio(self) -> float | None:
+        """P engines per D engine that would bring both pools to their targets (None
+        while either pool shows no pressure)."""
+        p, d = self.pressure()
+        n_p, n_d = len(self.pool.healthy("prefill")), len(self.pool.healthy("decode"))
+        if not p or not d or not n_p or not n_d:
+            return None
+        want_p = n_p * p / self.params.target_queue_s
+        want_d = n_d * d / self.params.target_kv_usage
+        return want_p / want_d
 
     @property
     def needs_tokens(self) -> bool:

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from pdgate.router.engines.replies import names_other_request
 from tests.router.conftest import MODEL, RunningRouter, sse_events
 from tests.router.fake_engine import FAKE_FIRST_TOKEN, FAKE_PROMPT_IDS, FakeEngine
 
@@ -142,3 +143,22 @@ async def test_a_pushed_first_token_that_fails_its_check_keeps_the_plain_flow(
     assert texts(resp.text) == list(d.tokens)
     assert "first_token_ids" not in d.decodes[-1].body["kv_transfer_params"]
     assert refused(router, "first_token") == 1
+
+
+MINE = "fedcba9876543210fedcba9876543210"
+
+
+@pytest.mark.parametrize(("answered", "other"), [
+    (f"cmpl-pdgate-{MINE}-0", False),
+    (f"chatcmpl-{MINE}-1-{'x' * 20}", False),  # 64 characters: no room for another id
+    (f"{OTHER}-{MINE}", True),  # 65: the shortest value naming two ids
+    (f"cmpl-{OTHER}", True),
+    (f"{MINE}abc-{OTHER[:31]}", False),  # ours unbounded, no other bounded run
+    (f"{'y' * 40}{MINE}-{OTHER}", True),  # long: scanned
+])
+def test_an_answer_id_names_another_request_exactly_as_the_scan_says(
+        answered: str, other: bool) -> None:
+    """The short-answer shortcut of names_other_request agrees with the full scan."""
+    rid = f"pdgate-{MINE}"
+    assert names_other_request(answered, rid) is other
+    assert names_other_request(answered, f"{rid}-2") is other  # an attempt's suffix

@@ -10,6 +10,7 @@ same code agree within ~1 %, so commits can be compared on a loaded 2-core machi
 timings (bench/peers.py) cannot.
 
     python bench/instructions.py [--root DIR ...] [--words 200,2000] [--formats json,sse]
+                                 [--policies round-robin,round-robin-dp2]
                                  [--requests 400] [--warmup 200] [--connections 4]
 
 Needs valgrind (apt-get install valgrind) and nginx (as bench/peers.py).
@@ -65,14 +66,15 @@ def collected(log: Path) -> int:
     return int(m[1]) if m else 0
 
 
-def measure(root: Path, ports: dict[str, int], fmt: str, words: int,
+def measure(root: Path, ports: dict[str, int], fmt: str, words: int, policy: str,
             args: argparse.Namespace, tmp: Path) -> float:
-    """Instructions per request of `root`'s router for one prompt size and format."""
+    """Instructions per request of `root`'s router for one prompt size, format and
+    policy (bench/peers.py's names: round-robin, round-robin-dp2, cache-aware)."""
     port = peers.free_port()
-    out = tmp / f"cg-{root.name}-{fmt}-{words}.out"
+    out = tmp / f"cg-{root.name}-{fmt}-{words}-{policy}.out"
     argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
             f"--callgrind-out-file={out}",
-            *peers.pdgate_argv(port, ports["prefill"], ports[fmt], 1, "round-robin", args)]
+            *peers.pdgate_argv(port, ports["prefill"], ports[fmt], 1, policy, args)]
     proc = peers.spawn(argv, None, tmp / f"{out.name}.log", env=peers.pdgate_env(root),
                        cwd=root)
     try:
@@ -101,20 +103,25 @@ def main(argv: list[str] | None = None) -> None:
                    help="a checkout whose router is measured (repeatable; default: this one)")
     p.add_argument("--words", type=lambda s: [int(w) for w in s.split(",")], default=[200])
     p.add_argument("--formats", default="json,sse")
+    p.add_argument("--policies", default="round-robin",
+                   help="comma-separated, bench/peers.py's: round-robin, round-robin-dp2 "
+                        "(every engine as 2 DP ranks: the cost of rank pinning), cache-aware")
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--warmup", type=int, default=200)
     p.add_argument("--connections", type=int, default=4)
     p.add_argument("--nginx", help="nginx binary (default: on PATH, else apt-get install)")
     args = p.parse_args(argv)
     roots = [Path(r).resolve() for r in args.root or [str(ROOT)]]
-    print(f"{'checkout':<24}{'words':>6} {'fmt':<5}{'k instructions/req':>20}")
+    print(f"{'checkout':<24}{'policy':<17}{'words':>6} {'fmt':<5}{'k instructions/req':>20}")
     with peers.nginx_engines(None, args.nginx, None) as ports, \
             tempfile.TemporaryDirectory(prefix="pdgate-instr-") as tmp:
         for words in args.words:
             for fmt in args.formats.split(","):
-                for root in roots:
-                    per = measure(root, ports, fmt, words, args, Path(tmp))
-                    print(f"{root.name:<24}{words:>6} {fmt:<5}{per / 1e3:>20.0f}", flush=True)
+                for policy in args.policies.split(","):
+                    for root in roots:
+                        per = measure(root, ports, fmt, words, policy, args, Path(tmp))
+                        print(f"{root.name:<24}{policy:<17}{words:>6} {fmt:<5}"
+                              f"{per / 1e3:>20.0f}", flush=True)
 
 
 if __name__ == "__main__":

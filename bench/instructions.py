@@ -75,8 +75,9 @@ def measure(root: Path, ports: dict[str, int], fmt: str, words: int, policy: str
     argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
             f"--callgrind-out-file={out}",
             *peers.pdgate_argv(port, ports["prefill"], ports[fmt], 1, policy, args)]
-    proc = peers.spawn(argv, None, tmp / f"{out.name}.log", env=peers.pdgate_env(root),
-                       cwd=root)
+    # A fixed hash seed: dict and set layouts (and so the work) the same in every run.
+    env = {**peers.pdgate_env(root), "PYTHONHASHSEED": "0"}
+    proc = peers.spawn(argv, None, tmp / f"{out.name}.log", env=env, cwd=root)
     try:
         peers.wait_serving(port, proc, stream=fmt == "sse", timeout=300.0)
         body = json.dumps({"model": "pdgate-tiny", "prompt": peers.prompt_of(words),

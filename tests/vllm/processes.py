@@ -31,6 +31,15 @@ BLOCK_SIZE = 32
 # Every vLLM engine here runs with `--api-key` and every router sends it (`--engine-api-key`),
 # as a production deployment should: engines serve only the router.
 ENGINE_KEY = "sk-test-engine-key-0123"
+# Every engine serves tool calls, so each colocated reference answers a tool call as the
+# P/D pair it is compared with (tests/vllm/tool_calls.py). `pythonic`: a parser that needs
+# no special tokens (the tiny tokenizer has none for tool calls; llama3_json, hermes and
+# most others look theirs up at start). Compact JSON for constrained output (xgrammar
+# without free whitespace): given the JSON grammar's optional whitespace, the random model
+# spent 200 tokens on whitespace inside a `required` call's array and never closed it.
+TOOL_ARGS = ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+             "--structured-outputs-config",
+             json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})]
 
 
 def push_connector(engine_id: str) -> dict[str, object]:
@@ -179,7 +188,8 @@ def start_vllm(python: Path, model_dir: Path, name: str, log_dir: Path, *, core:
             "--model", str(model_dir), "--served-model-name", SERVED_NAME,
             "--host", "127.0.0.1", "--port", str(port),
             "--enforce-eager", "--dtype", "float32", "--max-model-len", str(max_model_len),
-            "--block-size", str(BLOCK_SIZE), "--seed", "0", "--api-key", ENGINE_KEY]
+            "--block-size", str(BLOCK_SIZE), "--seed", "0", "--api-key", ENGINE_KEY,
+            *TOOL_ARGS]
     if nixl:
         argv += ["--kv-transfer-config", json.dumps(kv_config or NIXL_CONNECTOR)]
     events = f"ipc://{kv_events_dir / name}.sock" if kv_events_dir is not None else None

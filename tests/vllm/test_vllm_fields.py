@@ -8,12 +8,12 @@ client's answer with the colocated reference engine's (greedy: equal). The field
   both get them (P samples one token that is discarded), D generates every token; but
   `echo` with `logprobs` (the prompt's logprobs) runs on D alone (the decider's
   `prompt_logprobs` rule: D loads the prompt's KV and computes no prompt logprobs);
-- `tools` with `tool_choice` `required`, a named function and `auto` (vLLM 0.32 wants the
-  engine's tool parser for each; these engines have none, so the colocated engine's 400 is
-  what the router's client must get too), `response_format` `json_schema` and
-  `structured_outputs` (`choice`, `regex`, `json`): disaggregated, the grammar runs on D
-  from the first token, the output parses against the schema (even a random model
-  complies with a constrained decoder);
+- `tools` with `tool_choice` `required`, a named function and `auto`, streamed and not
+  (the engines run vLLM's `pythonic` tool parser, tests/vllm/tool_calls.py; also through a
+  notify-mode router, which runs the pull flow in front of vLLM), `response_format`
+  `json_schema` and `structured_outputs` (`choice`, `regex`, `json`): disaggregated, the
+  grammar runs on D from the first token, the output parses against the schema (even a
+  random model complies with a constrained decoder);
 - `n = 2` and a prompt batch: served by D alone (the decider's `n_gt_1` and
   `batch_prompt` rules: one set of P's blocks must not feed several children), P never
   sees them.
@@ -23,32 +23,25 @@ The early first token is not used for any of them (router/flows/early.py `eligib
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import httpx
 import pytest
-from aiohttp import web
 
 from tests.e2e.cluster import metric
 from tests.vllm.conftest import VllmCluster
 from tests.vllm.processes import ENGINE_KEY, SERVED_NAME
+from tests.vllm.recording import Proxies, Recorder
+from tests.vllm.tool_calls import TOOL_CHOICES, check_tool_calls
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 HEADERS = {"Authorization": f"Bearer {ENGINE_KEY}"}
 PROMPT = "The quick brown fox jumps over the lazy dog. Once upon a time"
 CHAT = [{"role": "user", "content": "What is the weather like in Paris today?"}]
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Rome"]}},
-        "required": ["city"], "additionalProperties": False}}}
 CITY_SCHEMA = {"type": "object", "properties": {
     "city": {"type": "string", "enum": ["Paris", "Rome"]},
     "sunny": {"type": "boolean"}}, "required": ["city", "sunny"],
@@ -57,81 +50,21 @@ DECISIONS = "pdgate_disagg_decisions_total"
 
 
 @dataclass
-class Recorder:
-    """A loopback HTTP proxy in front of one engine that records each JSON body by path."""
-
-    target: str
-    url: str = ""
-    bodies: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-
-    def seen(self, path: str) -> list[dict[str, Any]]:
-        return [b for p, b in self.bodies if p == path]
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
-        if raw and request.content_type == "application/json":
-            self.bodies.append((request.path, json.loads(raw)))
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() in ("authorization", "content-type", "x-request-id",
-                                    "x-data-parallel-rank")}
-        assert self._session is not None
-        async with self._session.request(request.method, self.target + request.path_qs,
-                                         data=raw or None, headers=headers) as up:
-            resp = web.StreamResponse(status=up.status, headers={
-                k: v for k, v in up.headers.items()
-                if k.lower() in ("content-type", "x-request-id")})
-            await resp.prepare(request)
-            async for chunk in up.content.iter_any():
-                await resp.write(chunk)
-            await resp.write_eof()
-            return resp
-
-    _session: aiohttp.ClientSession | None = None
-
-
-class Proxies:
-    """Recorders for P and D on their own event loop thread (the vLLM tests are sync)."""
-
-    def __init__(self, targets: list[str]) -> None:
-        self.recorders = [Recorder(t) for t in targets]
-        self._loop = asyncio.new_event_loop()
-        self._runners: list[web.AppRunner] = []
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(30)
-
-    async def _start(self) -> None:
-        for rec in self.recorders:
-            rec._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
-            app = web.Application(client_max_size=64 * 1024 * 1024)
-            app.router.add_route("*", "/{tail:.*}", rec.handle)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            rec.url = f"http://127.0.0.1:{port}"
-            self._runners.append(runner)
-
-    async def _stop(self) -> None:
-        for runner in self._runners:
-            await runner.cleanup()
-        for rec in self.recorders:
-            if rec._session is not None:
-                await rec._session.close()
-
-    def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(30)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-
-@dataclass
 class FieldsRig:
     router: str
     ref: str
     p: Recorder
     d: Recorder
+    cluster: VllmCluster
+    _notify: str | None = None
+
+    def notify_router(self) -> str:
+        """A `--pd-mode notify` router in front of the same recorders (started once)."""
+        if self._notify is None:
+            self._notify = self.cluster.start_router(
+                "router-fields-notify", [self.p.url], [self.d.url],
+                ["--pd-mode", "notify"]).url
+        return self._notify
 
 
 @pytest.fixture(scope="module")
@@ -139,9 +72,10 @@ def rig(vllm_cluster: VllmCluster) -> Iterator[FieldsRig]:
     proxies = Proxies([vllm_cluster.p.url, vllm_cluster.d.url])
     p, d = proxies.recorders
     try:
-        # Early first token off: each request here is ineligible anyway (it says so).
+        # The early first token is on (the default): every request here is ineligible for
+        # it (router/flows/early.py), so each runs the plain flow.
         router = vllm_cluster.start_router("router-fields", [p.url], [d.url])
-        yield FieldsRig(router.url, vllm_cluster.ref.url, p, d)
+        yield FieldsRig(router.url, vllm_cluster.ref.url, p, d, vllm_cluster)
     finally:
         proxies.close()
 
@@ -243,42 +177,21 @@ def test_chat_logprobs_and_top_logprobs(rig: FieldsRig) -> None:
     same_fields(*legs(rig, "/v1/chat/completions"), "logprobs", "top_logprobs")
 
 
-@pytest.mark.parametrize("choice", [
-    "required", {"type": "function", "function": {"name": "get_weather"}}])
-def test_forced_tool_calls_answer_as_the_colocated_engine(
-    rig: FieldsRig, choice: Any
-) -> None:
-    """A forced tool call (`required`, or a named function) is a constrained decode on D;
-    vLLM 0.32 wants the engine's tool parser for it (these engines have none: its 400 is
-    relayed as the colocated engine gives it). Where it answers, the call fits the tool's
-    schema."""
-    body = {"messages": CHAT, "max_tokens": 60, "temperature": 0, "tools": [WEATHER_TOOL],
-            "tool_choice": choice}
-    via = post(rig.router, "/v1/chat/completions", body)
-    ref = post(rig.ref, "/v1/chat/completions", body)
-    assert via.status_code == ref.status_code
-    if ref.status_code != 200:
-        assert via.json()["error"]["message"] == ref.json()["error"]["message"]
-        return
-    assert strip_ids(via.json()) == strip_ids(ref.json())
-    calls = via.json()["choices"][0]["message"]["tool_calls"]
-    assert calls and calls[0]["function"]["name"] == "get_weather"
-    assert json.loads(calls[0]["function"]["arguments"])["city"] in ("Paris", "Rome")
-    same_fields(*legs(rig, "/v1/chat/completions"), "tools", "tool_choice")
+@pytest.mark.parametrize("kind", list(TOOL_CHOICES))
+def test_tool_calls_answer_as_the_colocated_engine(rig: FieldsRig, kind: str) -> None:
+    """`tools` with `tool_choice` `required`, a named function and `auto`, streamed and
+    not: the colocated engine's answer, a forced call that fits the tool's schema, and
+    both legs carried the tool fields (tests/vllm/tool_calls.py)."""
+    check_tool_calls(rig.router, rig.ref, rig.p, rig.d, kind)
 
 
-def test_tools_auto_answers_as_the_colocated_engine(rig: FieldsRig) -> None:
-    """`auto` needs the engine's tool parser (`--enable-auto-tool-choice`): whatever the
-    engine answers (here: its 400), the router's client gets the same."""
-    body = {"messages": CHAT, "max_tokens": 8, "temperature": 0, "tools": [WEATHER_TOOL],
-            "tool_choice": "auto"}
-    via = post(rig.router, "/v1/chat/completions", body)
-    ref = post(rig.ref, "/v1/chat/completions", body)
-    assert via.status_code == ref.status_code
-    if ref.status_code == 200:
-        assert strip_ids(via.json()) == strip_ids(ref.json())
-    else:
-        assert via.json()["error"]["message"] == ref.json()["error"]["message"]
+def test_tool_calls_through_notify_run_the_pull_flow(rig: FieldsRig) -> None:
+    """A notify-mode router in front of vLLM (which cannot reserve D's blocks) serves
+    each request with the pull flow, counted; a tool call comes out as colocated."""
+    router = rig.notify_router()
+    before = metric(router, "pdgate_fallbacks_total", 'reason="no_reserve"')
+    check_tool_calls(router, rig.ref, rig.p, rig.d, "required")
+    assert metric(router, "pdgate_fallbacks_total", 'reason="no_reserve"') == before + 2
 
 
 def test_response_format_json_schema_parses(rig: FieldsRig) -> None:

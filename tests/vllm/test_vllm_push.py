@@ -4,7 +4,8 @@ with `NixlPushConnector`: both legs at once, D registers its blocks with P, P WR
 This module starts its own push-mode engines (prefill engine PA on core 0, decode engine D
 on core 1) and stops them at its end. PA also serves as the colocated reference (a request
 without `kv_transfer_params` is an ordinary one). The router learns each prefill engine's
-NIXL identity from its first answer. The 2P1D tests start a second prefill engine PB beside
+NIXL identity from its first answer. Tool calls go through recording relays in front of
+PA and D (tests/vllm/tool_calls.py). The 2P1D tests start a second prefill engine PB beside
 PA; the last kills PB under load and restarts it on the same ports under a new engine id,
 which the router learns again. The last two run a TP 2 push engine as P in front of D, then
 as D behind PA.
@@ -34,6 +35,7 @@ from tests.vllm.processes import (
     start_vllm,
     wait_ready,
 )
+from tests.vllm.recording import Proxies, Recorder
 from tests.vllm.test_vllm_pd import (
     IGNORE_EOS,
     acomplete,
@@ -45,6 +47,7 @@ from tests.vllm.test_vllm_pd import (
     unique_prompt,
 )
 from tests.vllm.test_vllm_zfault import _holds_nothing, _load_with_kill, _recovered, _routed
+from tests.vllm.tool_calls import TOOL_CHOICES, check_tool_calls
 
 pytestmark = [pytest.mark.vllm, pytest.mark.vllm_push, pytest.mark.timeout(900)]
 
@@ -212,6 +215,33 @@ async def test_concurrent_requests_all_pushed(push: Push, router_1p: Proc) -> No
     assert [r.choices[0].text for r in via_router] == [x.choices[0].text for x in colocated]
     assert external1 - external0 == sum(x.usage.prompt_tokens for x in colocated if x.usage)
     assert local1 == local0
+
+
+@pytest.fixture(scope="module")
+def recorded(push: Push) -> Iterator[tuple[Proc, Recorder, Recorder]]:
+    """A push router whose legs to PA and D pass through recording relays."""
+    proxies = Proxies([push.pa.url, push.d.url])
+    p, d = proxies.recorders
+    try:
+        proc = start_router(push.model_dir, [p.url], [d.url], PUSH_LOGS / "router-push-tools",
+                            ROUTER_ARGS)
+        push.procs.append(proc)
+        wait_ready([proc], "/ready", 60.0)
+        yield proc, p, d
+    finally:
+        proxies.close()
+
+
+@pytest.mark.parametrize("kind", list(TOOL_CHOICES))
+def test_tool_calls_answer_as_the_colocated_engine(
+    push: Push, recorded: tuple[Proc, Recorder, Recorder], kind: str,
+) -> None:
+    """`tools` with `tool_choice` `required`, a named function and `auto` through push,
+    streamed and not: PA's colocated answer, a forced call that fits the tool's schema,
+    and both legs carried the tool fields (tests/vllm/tool_calls.py)."""
+    router, p, d = recorded
+    check_tool_calls(router.url, push.pa.url, p, d, kind)
+    assert metric(router.url, "pdgate_fallbacks_total") == 0  # pushed, not pulled
 
 
 @pytest.fixture(scope="module")

@@ -180,3 +180,14 @@ def test_invalid_requests_get_openai_errors(cluster: Cluster) -> None:
     r = httpx.post(cluster.router + "/v1/completions", content=b"{not json", timeout=30,
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and "error" in json.loads(r.text)
+
+    # What the shim does not implement is refused by name, through the router too, never
+    # answered with unconstrained text.
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    messages = [{"role": "user", "content": "hi"}]
+    for field, value in (("tools", [tool]), ("response_format", {"type": "json_object"})):
+        r = httpx.post(cluster.router + "/v1/chat/completions", timeout=30, json={
+            "model": "tiny", "messages": messages, field: value})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == field and "not supported by the engine shim" in err["message"]

@@ -221,6 +221,10 @@ def _err(message: str, param: str | None, code: int = 400, kind: str = "BadReque
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+CHAT = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
 @pytest.mark.parametrize(("path", "body", "status", "expected"), [
     ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 2}, 400,
      _err("only n=1 is supported by the engine shim (send n separate requests)", "n")),
@@ -256,6 +260,21 @@ def _err(message: str, param: str | None, code: int = 400, kind: str = "BadReque
      {"model": MODEL, "prompt": "x", "kv_transfer_params": {"do_remote_prefill": True}}, 400,
      _err("kv_transfer_params with do_remote_prefill needs remote_engine_id, remote_block_ids,"
           " remote_host, remote_port", "kv_transfer_params.remote_engine_id")),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "tools": [TOOL]}, 400,
+     _err("tools is not supported by the engine shim", "tools")),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "tool_choice": "required"},
+     400, _err("tool_choice is not supported by the engine shim", "tool_choice")),
+    ("/v1/chat/completions", {"model": MODEL, "messages": CHAT, "functions": [TOOL]}, 400,
+     _err("functions is not supported by the engine shim", "functions")),
+    ("/v1/chat/completions",
+     {"model": MODEL, "messages": CHAT, "response_format": {"type": "json_object"}}, 400,
+     _err('response_format is not supported by the engine shim (only {"type": "text"})',
+          "response_format")),
+    ("/v1/completions",
+     {"model": MODEL, "prompt": "x", "structured_outputs": {"choice": ["a", "b"]}}, 400,
+     _err("structured_outputs is not supported by the engine shim", "structured_outputs")),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "guided_regex": "[ab]"}, 400,
+     _err("guided_regex is not supported by the engine shim", "guided_regex")),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400,
      _err("messages must be a non-empty list", "messages")),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400,
@@ -267,6 +286,15 @@ def test_bad_input_gets_an_openai_error(
     r = shim.post(path, body)
     assert r.status_code == status
     assert r.json() == expected
+
+
+def test_fields_that_ask_for_nothing_are_served(shim: Shim) -> None:
+    """`tool_choice: "none"`, `response_format` text and empty tool lists ask for plain
+    text, which the shim gives: the same as without them."""
+    plain = complete(shim, "Hello")
+    for extra in ({"tool_choice": "none"}, {"response_format": {"type": "text"}},
+                  {"tools": [], "structured_outputs": None}):
+        assert complete(shim, "Hello", **extra)["choices"] == plain["choices"], extra
 
 
 def test_malformed_json_is_a_400(shim: Shim) -> None:

@@ -1,18 +1,21 @@
 """The router's dependency set: transformers only in the `hf` extra (the router names it
 when a feature needs it and it is missing), no aiohttp in the core, httpx declared,
-uvicorn bounded where router/http/client_deadlines.py uses its internals."""
+uvicorn bounded where router/http/client_deadlines.py uses its internals, and every
+third-party module src/pdgate imports declared."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 import textwrap
 import tomllib
-from importlib.metadata import version
+from importlib.metadata import packages_distributions, version
 from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 from packaging.version import Version
 
 ROOT = Path(__file__).parents[2]
@@ -93,3 +96,41 @@ def test_uvicorn_is_bounded_and_the_installed_one_is_inside() -> None:
                  "on_headers_complete", "on_message_complete", "connection_lost"):
         assert callable(getattr(HttpToolsProtocol, name, None)), name
     assert "scope" in RequestResponseCycle.__init__.__code__.co_varnames
+
+
+# Imported but deliberately not declared, with the reason.
+UNDECLARED_OK = {
+    # engine_shim/nixl_agent.py tries the `nixl` meta package's module first and falls back
+    # to nixl-cu13's, which the shim extra installs (tests/engine_shim/test_nixl_cu13_only.py).
+    "nixl": "nixl-cu13 fallback",
+}
+# The packages whose modules a core install must be able to import without the shim extra.
+CORE_PACKAGES = ("router", "proxy", "contract", "common")
+
+
+def _imports(package: str) -> set[str]:
+    """Top-level names of the third-party modules imported anywhere in src/pdgate/<package>."""
+    names: set[str] = set()
+    for path in (ROOT / "src" / "pdgate" / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+    return {n for n in names if n not in sys.stdlib_module_names and n != "pdgate"}
+
+
+def _declared(*groups: list[str]) -> set[str]:
+    return {canonicalize_name(Requirement(s).name) for group in groups for s in group}
+
+
+@pytest.mark.parametrize("package", [*CORE_PACKAGES, "engine_shim"])
+def test_every_imported_package_is_declared(package: str) -> None:
+    """Each third-party module src/pdgate imports comes from a declared distribution: the
+    core, or an extra (the router's only lazily: hf, otel; the shim's also from `shim`)."""
+    extras = ["hf", "otel"] + ([] if package in CORE_PACKAGES else ["shim"])
+    declared = _declared(PROJECT["dependencies"], *(EXTRAS[e] for e in extras))
+    dists = packages_distributions()
+    for name in sorted(_imports(package) - UNDECLARED_OK.keys()):
+        provided_by = {canonicalize_name(d) for d in dists.get(name, [name])}
+        assert provided_by & declared, f"{package} imports {name} ({provided_by}): undeclared"

@@ -1,7 +1,9 @@
 """OpenAI / vLLM wire types of the shim's HTTP API: request structs, their validation, and
 the JSON bodies of replies, stream chunks and errors.
 
-Requests decode with msgspec (unknown fields are ignored, as OpenAI clients send many);
+Requests decode with msgspec (unknown fields are ignored, as OpenAI clients send many; the
+known ones the shim does not implement, such as `logprobs`, `tools` or `response_format`,
+are refused by name in `check_unsupported`, never silently ignored);
 `RequestError` carries the HTTP status and the OpenAI error fields, so bad input is always a
 4xx with `{"error": {"message", "type", "param", "code"}}`, never a 500.
 Only `n == 1` and a single prompt are served: the router never sends more through P/D (one
@@ -84,6 +86,19 @@ class _Common(msgspec.Struct, kw_only=True):
     # chunks list the ids each one's text comes from (the router's mid-stream migration),
     # the first also the prompt's (chat: at the chunk's top level, as vLLM 0.32 does).
     return_token_ids: bool = False
+    # vLLM's tool calling and constrained decoding, which the shim does not implement: typed
+    # loosely so that any value reaches `check_unsupported` and is refused there by name
+    # (an engine that ignored them would answer 200 with unconstrained text).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
 
 class CompletionRequest(_Common, kw_only=True):
@@ -168,6 +183,25 @@ def check_unsupported(req: CompletionRequest | ChatCompletionRequest) -> None:
             raise RequestError("echo is not supported", param="echo")
         if req.suffix:
             raise RequestError("suffix is not supported", param="suffix")
+    _check_no_constraints(req)
+
+
+# Fields whose presence (anything but null or empty) asks for tool calls or constrained
+# output; `tool_choice` "none" and `response_format` {"type": "text"} ask for neither.
+_CONSTRAINTS = ("tools", "functions", "function_call", "structured_outputs", "guided_json",
+                "guided_regex", "guided_choice", "guided_grammar")
+
+
+def _check_no_constraints(req: CompletionRequest | ChatCompletionRequest) -> None:
+    for name in _CONSTRAINTS:
+        if getattr(req, name) not in (None, [], {}, ""):
+            raise RequestError(f"{name} is not supported by the engine shim", param=name)
+    if req.tool_choice not in (None, "none"):
+        raise RequestError("tool_choice is not supported by the engine shim",
+                           param="tool_choice")
+    if req.response_format not in (None, {}) and req.response_format != {"type": "text"}:
+        raise RequestError("response_format is not supported by the engine shim (only "
+                           '{"type": "text"})', param="response_format")
 
 
 def sampling_params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:

@@ -283,9 +283,9 @@ _CONTEXT_LENGTH = re.compile(r"maximum context length|longer than the maximum mo
 
 
 class EngineRejected(RouterError):
-    """The engine refused the request with a 4xx; its status and message go to the client.
-    The engine's context-length refusal keeps OpenAI's `context_length_exceeded` code,
-    which clients branch on (vLLM's own `code` is the status number)."""
+    """The engine refused the request with a 4xx; its status, message and `param` go to the
+    client. The engine's context-length refusal keeps OpenAI's `context_length_exceeded`
+    code, which clients branch on (vLLM's own `code` is the status number)."""
 
     type = "BadRequestError"
     code = "engine_rejected"

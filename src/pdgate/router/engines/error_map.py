@@ -11,7 +11,7 @@ checks it row by row):
     an answer to another request           -> EngineProtocolError (`answered_another`)
     a reply or SSE line over its limit     -> EngineReplyTooLarge
     4xx the router's request caused        -> EngineMisconfigured (see `_router_caused`)
-    any other 4xx                          -> EngineRejected (engine's status and message)
+    any other 4xx                          -> EngineRejected (engine's status, message, param)
 """
 
 from __future__ import annotations
@@ -62,6 +62,8 @@ _KV_PARAM_KEYS = frozenset({
     "continue_after_prefill", "push_deadline",
 })
 _WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+# A field name or path (`messages.0.content`); an engine's longer `param` is cut.
+_MAX_PARAM = 200
 
 
 def engine_message(raw: bytes) -> str:
@@ -69,8 +71,9 @@ def engine_message(raw: bytes) -> str:
     return _engine_error(raw)[0]
 
 
-def _engine_error(raw: bytes) -> tuple[str, str]:
-    """(message, what names the culprit: the message plus `param` or FastAPI's `loc`s)."""
+def _engine_error(raw: bytes) -> tuple[str, str, str | None]:
+    """(message, what names the culprit: the message plus `param` or FastAPI's `loc`s,
+    the field an OpenAI-shaped error names in `param`)."""
     try:
         obj = _json_decode(raw)
     except (msgspec.DecodeError, UnicodeDecodeError, RecursionError):
@@ -79,17 +82,19 @@ def _engine_error(raw: bytes) -> tuple[str, str]:
         err = obj.get("error")
         if isinstance(err, dict) and isinstance(err.get("message"), str):
             message = str(err["message"])
-            return message, f"{message} {err.get('param') or ''}"
+            param = err.get("param")
+            param = param[:_MAX_PARAM] if isinstance(param, str) else None
+            return message, f"{message} {param or ''}", param
         for key in ("message", "detail"):
             if isinstance(obj.get(key), str):
-                return str(obj[key]), str(obj[key])
+                return str(obj[key]), str(obj[key]), None
         detail = obj.get("detail")
         if isinstance(detail, list):  # FastAPI 422: [{loc, msg, input}] (`input` is the
             parts = [_validation_error(d) for d in detail[:8] if isinstance(d, dict)]
             if parts:  # client's, so left out)
-                return "; ".join(parts), " ".join(parts)
+                return "; ".join(parts), " ".join(parts), None
     text = raw[:200].decode("utf-8", "replace")
-    return text, text
+    return text, text, None
 
 
 def _validation_error(d: dict[str, Any]) -> str:
@@ -104,7 +109,7 @@ def check_status(url: str, path: str, status: int, raw: bytes, sent: bytes) -> N
         return
     if status < 400:  # redirects are never followed: an engine URL is used as configured
         raise EngineError(f"engine {url} answered HTTP {status} (redirects are not followed)")
-    message, culprit = _engine_error(raw)
+    message, culprit, param = _engine_error(raw)
     if status >= 500:
         raise EngineError(f"engine {url} returned HTTP {status}: {message}")
     why = _router_caused(path, status, culprit, sent)
@@ -113,7 +118,7 @@ def check_status(url: str, path: str, status: int, raw: bytes, sent: bytes) -> N
                                   f"({why}): HTTP {status}: {message}")
         exc.engine_status = status
         raise exc
-    raise EngineRejected(message, status=status)
+    raise EngineRejected(message, status=status, param=param)
 
 
 def _router_caused(path: str, status: int, culprit: str, sent: bytes) -> str | None:

@@ -121,6 +121,24 @@ def test_a_streamed_request_shows_its_decode_stream_and_first_token(
         assert inner[name].parent_id == router.span_id, name
 
 
+PASSTHROUGH_TRACE = "6cf92f3577b34da6a3ce929d0e0e4738"
+
+
+def test_a_pass_through_route_is_traced(traced: tuple[Cluster, Receiver]) -> None:
+    """A pass-through route (router/http/passthrough.py) gets the completion routes' server
+    span: one per request, continuing the client's trace, with the status the client got
+    (the shim serves no /tokenize: its 404 is relayed as it is)."""
+    cluster, receiver = traced
+    reply = httpx.post(cluster.router + "/tokenize", timeout=60,
+                       json={"model": "tiny", "prompt": "Hello"},
+                       headers={"traceparent": f"00-{PASSTHROUGH_TRACE}-{CLIENT_SPAN}-01"})
+    spans = [s for s in spans_of(receiver, PASSTHROUGH_TRACE, 1)
+             if s.service == "pdgate-router" and s.parent_id == CLIENT_SPAN]
+    assert [s.name for s in spans] == ["POST /tokenize"], spans
+    assert spans[0].attributes["http.response.status_code"] == reply.status_code
+    assert spans[0].attributes["pdgate.request_id"] == reply.headers["x-pdgate-request-id"]
+
+
 def test_probes_are_not_traced(traced: tuple[Cluster, Receiver]) -> None:
     cluster, receiver = traced
     for _ in range(3):

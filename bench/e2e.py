@@ -18,6 +18,10 @@ of docs/benchmarks.md:
     python bench/e2e.py --device cuda --requests 200 --prompt-tokens 480 4000 \
         --concurrency 1 4 --json
 
+`--resume-gap` measures mid-stream migration instead (bench/resume_gap.py: a decode engine
+killed mid-stream, the resume gap against a full recompute of the same prefix on D), per
+mode of pull, notify and push; with `--device cuda` on a GPU node.
+
 Every process shares the machine's cores, so absolute figures are noisy; compare ratios
 from one run.
 """
@@ -202,6 +206,33 @@ def table(figures: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
+def run_resume_gap(args: argparse.Namespace) -> int:
+    """`--resume-gap`: bench/resume_gap.py for each of pull, notify and push in `--modes`."""
+    sys.path.insert(0, str(ROOT))
+    from bench import resume_gap
+    from pdgate.engine_shim.tiny import ensure_tiny_model
+
+    # A `timeout` or Ctrl-C must still stop the engines this run started (finally blocks).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    if args.max_tokens <= args.kill_after:
+        args.max_tokens = 4 * args.kill_after  # the default 8 would end before the kill
+    figures = {}
+    with tempfile.TemporaryDirectory(prefix="pdgate-bench-resume-") as tmp:
+        if args.model is None:
+            args.model = str(ensure_tiny_model(Path(tmp) / "tiny"))
+        for mode in (m for m in args.modes if m in resume_gap.MODES):
+            ports = 2 * (args.rounds + 2) + 1
+            figures[mode] = resume_gap.measure(mode, args, _free_base(ports),
+                                               Path(tmp) / mode)
+            print(f"  {mode:<10} done", file=sys.stderr, flush=True)
+    print(resume_gap.table(figures))
+    if args.json:
+        print(json.dumps({"resume_gap": figures, "config": {
+            "prompt_tokens": args.prompt_tokens[0], "max_tokens": args.max_tokens,
+            "kill_after": args.kill_after, "rounds": args.rounds, "device": args.device}}))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--requests", type=int, default=64, help="measured requests per mode")
@@ -217,8 +248,19 @@ def main() -> int:
                    help="extra `pdgate router` flag for every mode (repeatable), e.g. "
                         "--router-arg=--no-early-first-token")
     p.add_argument("--json", action="store_true", help="print figures as JSON last line")
+    p.add_argument("--resume-gap", action="store_true",
+                   help="measure mid-stream migration (bench/resume_gap.py) instead")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="--resume-gap: migrated streams per mode (one more decode engine "
+                        "each)")
+    p.add_argument("--kill-after", type=int, default=16,
+                   help="--resume-gap: chunks of the stream before its decode engine dies")
+    p.add_argument("--model", default=None,
+                   help="--resume-gap: engines' model directory (default: the tiny model)")
     args = p.parse_args()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    if args.resume_gap:
+        return run_resume_gap(args)
     figures = run(args)
     for cell, f in figures.items():
         tokens, conc = cell.split("x")

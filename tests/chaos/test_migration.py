@@ -120,8 +120,8 @@ def _body(prompt: str, *, stream: bool) -> dict[str, object]:
 
 async def _stream(client: httpx.AsyncClient, url: str, seen: Seen, victim: Engine,
                   kill_at: int, killed: list[Seen]) -> None:
-    """One client's stream; the kill fires when it is the victim's and has had `kill_at`
-    events."""
+    """One client's stream; the kill fires when it is the victim's (a prefill victim:
+    any stream) and has had `kill_at` events."""
     try:
         async with asyncio.timeout(CLIENT_DEADLINE_S), client.stream(
                 "POST", url + _path(seen.prompt), json=_body(seen.prompt, stream=True)) as r:
@@ -130,7 +130,8 @@ async def _stream(client: httpx.AsyncClient, url: str, seen: Seen, victim: Engin
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     _event(seen, line[6:])
-                    if seen.decode == victim.url and seen.events == kill_at and not killed:
+                    mine = victim.role == "prefill" or seen.decode == victim.url
+                    if mine and seen.events == kill_at and not killed:
                         killed.append(seen)
                         victim.kill()
     except (TimeoutError, httpx.HTTPError) as exc:
@@ -190,6 +191,51 @@ def test_decode_killed_mid_stream_every_stream_completes(
         cluster.stop()
 
 
+@pytest.mark.parametrize("mode", ["pull", "notify", "push"])
+def test_prefill_killed_after_the_first_token(
+        mode: str, engines: tuple[list[Engine], int], tiny_model_dir: Path,
+        reference: dict[str, tuple[str, int, int]]) -> None:
+    started, port = engines
+    for e in started:
+        if not e.running:
+            e.restart()
+            wait_healthy(e, 120)
+    cluster = start_router(started, port, tiny_model_dir, mode)
+    victim = cluster.by_role("prefill")[0]
+    try:
+        seen, killed = asyncio.run(_run(cluster.url, victim, dict.fromkeys(reference, 1)))
+        assert killed, "the kill did not fire"
+        print(f"\nMIGRATION mode={mode} prefill killed after a first event: "
+              f"{sum(s.errors == [] for s in seen)}/{len(seen)} streams without error")
+        _assert_all_complete(seen, reference)
+    finally:
+        cluster.stop()
+        victim.start()
+        wait_healthy(victim, 120)
+
+
+def _assert_all_complete(seen: list[Seen], reference: dict[str, tuple[str, int, int]]
+                         ) -> None:
+    """Every stream as an uninterrupted one: the colocated text, one id, no error event,
+    one [DONE], chat chunks for chat, usage billed as one request."""
+    for s in seen:
+        want, prompt_tokens, _ = reference[s.prompt]
+        where = f"{s.prompt!r} (decode {s.decode})"
+        assert s.lost is None, f"{where}: lost: {s.lost}"
+        assert s.status == 200, where
+        assert s.errors == [], f"{where}: SSE error event {s.errors}"
+        assert s.dones == 1, f"{where}: {s.dones} [DONE]"
+        assert len(s.ids) == 1, f"{where}: chunk ids {s.ids}"
+        chat = s.prompt in CHAT
+        assert s.objects == {"chat.completion.chunk" if chat else "text_completion"}, where
+        assert s.roles == (1 if chat else 0), f"{where}: {s.roles} role deltas"
+        assert s.text == want, f"{where}: text {s.text!r}, want {want!r}"
+        assert s.usage is not None and {k: s.usage[k] for k in (
+            "prompt_tokens", "completion_tokens", "total_tokens")} == {
+            "prompt_tokens": prompt_tokens, "completion_tokens": MAX_TOKENS,
+            "total_tokens": prompt_tokens + MAX_TOKENS}, f"{where}: usage {s.usage}"
+
+
 def _scenario(cluster: ChaosCluster, reference: dict[str, tuple[str, int, int]], mode: str
               ) -> None:
     victim, survivor = cluster.by_role("decode")
@@ -204,24 +250,7 @@ def _scenario(cluster: ChaosCluster, reference: dict[str, tuple[str, int, int]],
     print(f"\nMIGRATION mode={mode} streams={len(seen)} on_victim={len(cut)} "
           f"kill_at={kill_at[killed[0].prompt]} migrations_kv={kv} failed_opens={failed} "
           f"took={took:.1f}s")
-    for s in seen:
-        want, prompt_tokens, _ = reference[s.prompt]
-        where = f"{s.prompt!r} (decode {s.decode})"
-        assert s.lost is None, f"{where}: lost: {s.lost}"
-        assert s.status == 200, where
-        assert s.errors == [], f"{where}: SSE error event {s.errors}"
-        assert s.dones == 1, f"{where}: {s.dones} [DONE]"
-        assert len(s.ids) == 1, f"{where}: chunk ids {s.ids}"
-        chat = s.prompt in CHAT
-        assert s.objects == {"chat.completion.chunk" if chat else "text_completion"}, where
-        assert s.roles == (1 if chat else 0), f"{where}: {s.roles} role deltas"
-        assert s.text == want, f"{where}: text {s.text!r}, want {want!r}"
-        assert s.usage == {"prompt_tokens": prompt_tokens, "completion_tokens": MAX_TOKENS,
-                           "total_tokens": prompt_tokens + MAX_TOKENS} or (
-            s.usage is not None and {k: s.usage[k] for k in
-                                     ("prompt_tokens", "completion_tokens", "total_tokens")}
-            == {"prompt_tokens": prompt_tokens, "completion_tokens": MAX_TOKENS,
-                "total_tokens": prompt_tokens + MAX_TOKENS}), f"{where}: usage {s.usage}"
+    _assert_all_complete(seen, reference)
     # Every stream the kill cut was continued with P's KV (the victim's streams that had
     # already finished need none).
     assert kv >= 1, "no migration was counted"

@@ -26,7 +26,8 @@ from pdgate.engine_shim.metrics import ShimMetrics
 from pdgate.proxy.metrics import ProxyMetrics
 from pdgate.router import __version__ as pdgate_version
 from pdgate.router.cli import build_parser as router_parser
-from pdgate.router.config import RouterConfig, load_config, validate_config
+from pdgate.router.config import RouterConfig, load_config
+from pdgate.router.config_checks import validate_config
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import POLICIES
 from tests.deploy.conftest import MONITORING, VLLM_PUSH_VALUES, VLLM_VALUES, write_values

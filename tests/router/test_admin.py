@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pdgate.router.config import ConfigError, RouterConfig, validate_config
+from pdgate.router.config import ConfigError, RouterConfig
+from pdgate.router.config_checks import validate_config
 from pdgate.router.errors import InvalidRequest
 from pdgate.router.http.admin import check_engine_url
 from pdgate.router.policies import POLICIES

@@ -15,7 +15,8 @@ import msgspec
 import pytest
 
 from pdgate.router.cli import build_parser, config_from_args, main
-from pdgate.router.config import ConfigError, RouterConfig, load_config, validate_config
+from pdgate.router.config import ConfigError, RouterConfig, load_config
+from pdgate.router.config_checks import validate_config
 from pdgate.router.policies import POLICIES
 from tests.router.conftest import wait_until_ready
 from tests.router.fake_engine import FakeEngine

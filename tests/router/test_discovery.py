@@ -17,7 +17,8 @@ import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
 
-from pdgate.router.config import ConfigError, ModelConfig, RouterConfig, validate_config
+from pdgate.router.config import ConfigError, ModelConfig, RouterConfig
+from pdgate.router.config_checks import validate_config
 from pdgate.router.discovery import ApiServer, PodWatcher, WatchSpec
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import POLICIES

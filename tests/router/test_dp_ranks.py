@@ -16,7 +16,8 @@ import zmq
 from prometheus_client import CollectorRegistry
 
 from pdgate.router.cli import config_from_args
-from pdgate.router.config import ConfigError, RouterConfig, validate_config
+from pdgate.router.config import ConfigError, RouterConfig
+from pdgate.router.config_checks import validate_config
 from pdgate.router.discovery import DP_SIZE_LABEL, ApiServer, PodWatcher, WatchSpec
 from pdgate.router.dp_ranks import (
     RANK_HEADER,

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from pdgate.router.config import ConfigError, ModelConfig, RouterConfig, validate_config
+from pdgate.router.config import ConfigError, ModelConfig, RouterConfig
+from pdgate.router.config_checks import validate_config
 from pdgate.router.input.tokenization import PromptTokenizer
 from pdgate.router.policies import POLICIES
 from tests.router.conftest import MODEL, RunningRouter, serve, sse_events, until

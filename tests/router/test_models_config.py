@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdgate.router.cli import config_from_args
-from pdgate.router.config import ConfigError, load_config, model_configs, validate_config
+from pdgate.router.config import ConfigError, load_config
+from pdgate.router.config_checks import model_configs, validate_config
 from pdgate.router.policies import POLICY_NAMES
 
 TWO = """

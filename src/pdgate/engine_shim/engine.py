@@ -177,11 +177,9 @@ class Engine:
         metrics.blocks_total.set(config.num_blocks)
         metrics.blocks_free.set_function(lambda: self.pool.num_free)
         metrics.blocks_cached.set_function(lambda: self.pool.num_cached)
-        ids = {"model_name": self.served_model_names[0], "engine": "0"}
-        metrics.vllm_waiting.labels(**ids).set_function(lambda: self.scheduler.num_waiting)
-        metrics.vllm_running.labels(**ids).set_function(lambda: self.scheduler.num_running)
-        metrics.vllm_kv_usage.labels(**ids).set_function(
-            lambda: self.pool.num_used / max(1, self.pool.num_total))
+        metrics.watch_load(self.served_model_names[0], lambda: self.scheduler.num_waiting,
+                           lambda: self.scheduler.num_running,
+                           lambda: self.pool.num_used / max(1, self.pool.num_total))
 
     @classmethod
     def load(cls, config: EngineConfig, metrics: ShimMetrics) -> Engine:

@@ -14,6 +14,7 @@ pdgate's version) and the process' own `process_*` series (common/metrics_regist
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 
@@ -108,6 +109,14 @@ class ShimMetrics:
     vllm_running: Gauge
     vllm_kv_usage: Gauge
     _series: dict[str, ModelSeries] = field(default_factory=dict)
+
+    def watch_load(self, model: str, waiting: Callable[[], float],
+                   running: Callable[[], float], kv_usage: Callable[[], float]) -> None:
+        """Read the engine's queue and KV use at each scrape, under vLLM's names."""
+        ids = {"model_name": model, "engine": "0"}
+        self.vllm_waiting.labels(**ids).set_function(waiting)
+        self.vllm_running.labels(**ids).set_function(running)
+        self.vllm_kv_usage.labels(**ids).set_function(kv_usage)
 
     def series(self, model: str) -> ModelSeries:
         """The request series of `model` (a served model name), created on first use. Call

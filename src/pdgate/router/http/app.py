@@ -26,7 +26,8 @@ from starlette.middleware.cors import CORSMiddleware
 from pdgate.router.aborts import Aborter
 from pdgate.router.adapters import AdapterRegistry, ModelAdapters, parse_adapter_sources
 from pdgate.router.admission import Admission
-from pdgate.router.config import RouterConfig, model_configs, validate_config
+from pdgate.router.config import RouterConfig
+from pdgate.router.config_checks import model_configs, validate_config
 from pdgate.router.discovery import KubernetesDiscovery
 from pdgate.router.dp_learn import open_dp_learning
 from pdgate.router.engine_load import load_interval_s, open_load_polling

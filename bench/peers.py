@@ -12,6 +12,10 @@ core(s) with taskset; nginx and the load generator get other cores. Cases (`--ca
              router's rr row (the cost of rank pinning)
     cache    prefix routing (pdgate prefix-text, vllm-router cache_aware), one core, JSON
     workers  round-robin on `--multi-cpus` cores (pdgate --workers N), JSON
+    models   rr with two models behind one pdgate (`models:`, both on the same nginx
+             engines), every request for the second one; pdgate only: vllm-router serves
+             one model per P/D router. `x rr CPU` is its CPU per request over pdgate's rr
+             row (the cost of the second model)
 
 Per row: req/s, p50/p99 latency, the router's CPU time per request (utime + stime of the
 router's whole process tree from /proc, over the measured run), pdgate's ratio to
@@ -348,6 +352,7 @@ _POLICY_FLAGS = {
         # Each engine URL as 2 data-parallel ranks: every leg pinned with X-data-parallel-rank.
         "round-robin-dp2": ["--prefill-policy", "round-robin", "--decode-policy", "round-robin",
                             "--prefill-dp-size", "2", "--decode-dp-size", "2"],
+        "two-models": ["--prefill-policy", "round-robin", "--decode-policy", "round-robin"],
     },
     "vllm-router": {
         "round-robin": ["--policy", "round_robin"],
@@ -357,12 +362,21 @@ _POLICY_FLAGS = {
 }
 
 
+# The models case: two models on the same engines; its requests ask for the second.
+TWO_MODELS = ("pdgate-tiny", "pdgate-tiny-b")
+
+
 def pdgate_argv(port: int, p: int, d: int, workers: int, policy: str,
                 args: argparse.Namespace) -> list[str]:
     # No --tokenizer: none of these policies reads tokens, so the router loads none.
-    return [sys.executable, "-m", "pdgate.router", "--port", str(port), "--model", "pdgate-tiny",
-            "--max-model-len", "1000000",
-            "--prefill", f"http://127.0.0.1:{p}", "--decode", f"http://127.0.0.1:{d}",
+    engines = {"prefill": [f"http://127.0.0.1:{p}"], "decode": [f"http://127.0.0.1:{d}"]}
+    if policy == "two-models":
+        models = ["--models", json.dumps([{"model": name, "max_model_len": 1000000, **engines}
+                                          for name in TWO_MODELS])]
+    else:
+        models = ["--model", "pdgate-tiny", "--max-model-len", "1000000",
+                  "--prefill", *engines["prefill"], "--decode", *engines["decode"]]
+    return [sys.executable, "-m", "pdgate.router", "--port", str(port), *models,
             *_POLICY_FLAGS["pdgate"][policy],
             "--log-level", "warning", *(["--workers", str(workers)] if workers != 1 else [])]
 
@@ -411,11 +425,14 @@ def cases(args: argparse.Namespace) -> list[Case]:
         elif name == "dp":
             out.append(Case("dp", "round-robin-dp2", 1, args.router_cpus, ("json", "sse"),
                             words))
+        elif name == "models":
+            out.append(Case("models", "two-models", 1, args.router_cpus, ("json", "sse"),
+                            words))
         elif name == "workers":
             out.append(Case(f"x{args.multi_workers}", "round-robin", args.multi_workers,
                             args.multi_cpus, ("json",), big))
         else:
-            raise SystemExit(f"unknown case {name!r} (rr, cache, dp, workers)")
+            raise SystemExit(f"unknown case {name!r} (rr, cache, dp, workers, models)")
     return out
 
 
@@ -438,6 +455,8 @@ def _names(args: argparse.Namespace, case: Case) -> list[str]:
     """The routers of one case, in the order each row measures them: one `pdgate@<dir>`
     per `--base-root` checkout joins the one-core round-robin case after `pdgate`."""
     names: list[str] = args.routers.split(",")
+    if case.name == "models":  # vllm-router: one model per P/D router
+        return [n for n in names if n == "pdgate"]
     if args.base_root and case.name == "rr" and "pdgate" in names:
         at = names.index("pdgate") + 1
         names[at:at] = [_base_name(root) for root in args.base_root]
@@ -518,7 +537,8 @@ def _median(runs: list[Row]) -> Row:
 
 def _row(args: argparse.Namespace, tools: Tools, port: int, proc: subprocess.Popen[bytes],
          name: str, case: Case, workers: int, words: int, fmt: str) -> Row:
-    body = json.dumps({"model": "pdgate-tiny", "prompt": prompt_of(words),
+    model = TWO_MODELS[1] if case.name == "models" else "pdgate-tiny"
+    body = json.dumps({"model": model, "prompt": prompt_of(words),
                        "max_tokens": MAX_TOKENS, "stream": fmt == "sse"})
     load(port, body, args.connections, args.warmup, args.load_cpus, tools)
     cpu0 = cpu_seconds(proc.pid)
@@ -573,7 +593,7 @@ def print_table(rows: list[Row], ceiling: float, args: argparse.Namespace,
             else "-"
         same = rr.get((r.router, r.words, r.format))
         vs_rr = f"{r.cpu_us_per_req / same.cpu_us_per_req:.2f}" \
-            if r.case == "dp" and same and same.cpu_us_per_req else "-"
+            if r.case in ("dp", "models") and same and same.cpu_us_per_req else "-"
         print(f"{r.router:<20}{r.case:<6}{r.policy:<16}{r.words:>6} {r.format:<5}"
               f"{r.rps:>8.0f}{r.p50_ms:>8.2f}{r.p99_ms:>8.2f}{r.cpu_us_per_req:>11.0f}"
               f"{rps_x:>8}{cpu_x:>7}{scale:>9}{vs_rr:>9}{r.errors:>7}")
@@ -593,9 +613,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--connections", type=int, default=32)
     p.add_argument("--words", type=lambda s: [int(w) for w in s.split(",")],
                    default=[5, 200, 2000], help="comma-separated prompt sizes in words")
-    p.add_argument("--cases", default="rr,cache,workers" if ncpu >= 8 else "rr,cache",
-                   help="comma-separated: rr, cache, dp, workers (default: rr, cache and, "
-                        "with 8 cores or more, workers)")
+    p.add_argument("--cases",
+                   default="rr,cache,models,workers" if ncpu >= 8 else "rr,cache,models",
+                   help="comma-separated: rr, cache, dp, workers, models (default: rr, cache, "
+                        "models and, with 8 cores or more, workers)")
     p.add_argument("--multi-workers", type=int, default=4,
                    help="pdgate --workers in the workers case")
     p.add_argument("--multi-cpus", default="0-3", help="taskset cpu list of the workers case")

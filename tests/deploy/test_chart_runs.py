@@ -9,7 +9,8 @@ A fifth, default values with two router workers, stops the router as Kubernetes 
 
 Four renders: default values with notify mode and client keys (shim engines); default
 values with nothing set ("nokey": the chart generates the client key); values-vllm.yaml
-(pull mode) and values-vllm.yaml + values-vllm-push.yaml (push mode), where shims stand in
+(two models: one on P/D in pull mode, one colocated) and values-vllm.yaml +
+values-vllm-push.yaml (its P/D model in push mode), where shims stand in
 for vLLM, given the key the vLLM pods get as VLLM_API_KEY (tests/vllm/test_vllm_chart.py
 runs these two renders with real vLLM engines). Then: clients need one of the
 chart's keys; engines take only the router's key; unsigned or badly signed KV-ready notices
@@ -19,6 +20,7 @@ chart declares answers without credentials.
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -45,9 +47,11 @@ from tests.deploy.conftest import (
 from tests.deploy.helm_render import ROOT, Rendered, Renderer
 from tests.deploy.pods import Container, realize, secret_value
 
-pytestmark = pytest.mark.slow
+# A release starts up to three shims at once (values-vllm.yaml: two models); on a 2-core
+# machine busy with other tests one shim took 85 s to answer /health, three took over 180.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-STARTUP_S = 180.0
+STARTUP_S = 420.0
 
 
 def free_port() -> int:
@@ -86,6 +90,7 @@ class Proc:
     popen: subprocess.Popen[bytes]
     log: Path
     port_map: dict[int, int] = field(default_factory=dict)  # container port -> local port
+    model: str = ""  # an engine's (first) served model name
 
     def tail(self) -> str:
         return f"--- {self.name}\n{self.log.read_text(errors='replace')[-4000:]}"
@@ -140,12 +145,17 @@ class Deployment:
     admin_key: str
     notify_secret: str | None
     notify_endpoint: str | None
-    model: str
+    models: list[str]  # the first served name of each model the release serves
 
-    def completion(self, url: str, key: str | None, max_tokens: int = 4) -> httpx.Response:
+    @property
+    def model(self) -> str:
+        return self.models[0]
+
+    def completion(self, url: str, key: str | None, max_tokens: int = 4,
+                   model: str | None = None) -> httpx.Response:
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         return httpx.post(url + "/v1/completions", headers=headers, timeout=120.0, json={
-            "model": self.model, "prompt": "Hello world! How are you today?",
+            "model": model or self.model, "prompt": "Hello world! How are you today?",
             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True})
 
 
@@ -168,40 +178,55 @@ def env_secret(r: Rendered, dep: dict[str, Any], var: str) -> str:
     raise AssertionError(f"{var} is not set")
 
 
+def _models(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rendered router config's models: its `models:` entries, or its one model; each
+    with `label`, the pdgate.io/model its pods carry ("" for the one model)."""
+    if not config.get("models"):
+        return [{"served_model_name": config["served_model_name"],
+                 "pd_mode": config.get("pd_mode", "pull"), "label": ""}]
+    found = []
+    for entry in config["models"]:
+        terms = dict(t.split("=", 1) for t in entry["decode_selector"].split(","))
+        found.append({**entry, "label": terms["pdgate.io/model"]})
+    return found
+
+
+def _engine_dep(r: Rendered, label: str, role: str) -> dict[str, Any]:
+    if not label:
+        return r.one("Deployment", f"-{role}")
+    return r.one("Deployment", f"-{label}-{role}")
+
+
 def launch(mode: str, r: Rendered, tmp: Path, tiny: Path) -> Deployment:
     logs = tmp / "logs"
     logs.mkdir()
     router_dep = one_container(r, "-router")
     router_c = realize(r, router_dep, tmp / "router")
     config = yaml.safe_load(Path(router_c.args[router_c.args.index("--config") + 1]).read_text())
-    model = config["served_model_name"][0]
+    models = _models(config)
     files = {name: Path(v).read_text() for name, v in router_c.env.items()
              if name.endswith("_FILE")}
     engine_key = files["PDGATE_ENGINE_API_KEY_FILE"]
     engines: list[Proc] = []
     router: Proc | None = None
+    urls: list[dict[str, list[str]]] = []
     try:
-        for role in ("prefill", "decode"):
-            port, side = free_port(), free_port()
-            if mode.startswith("vllm"):
-                # vLLM pods get the engine key as VLLM_API_KEY; a shim stands in for vLLM
-                # with that key (its PDGATE_ENGINE_API_KEY), serving the same model names.
-                vllm_dep = r.one("Deployment", f"-{role}")
-                key = env_secret(r, vllm_dep, "VLLM_API_KEY")
-                args = vllm_dep["spec"]["template"]["spec"]["containers"][0]["args"]
-                names = args[args.index("--served-model-name") + 1:args.index("--host")]
-                c = Container(role, ["--served-model-name", *names], {}, {"http": port}, {})
-                extra = {"PDGATE_ENGINE_API_KEY": key}
-            else:
-                c = realize(r, one_container(r, f"-{role}"), tmp / role)
-                extra = {}
-            engines.append(start(role, ["shim"], c, [
-                "--host", "127.0.0.1", "--port", str(port), "--model", str(tiny),
-                "--device", "cpu", "--side-channel-port", str(side)], port, logs, extra))
+        for m in models:
+            roles = ("decode",) if m["pd_mode"] == "colocated" else ("prefill", "decode")
+            urls.append({"prefill": [], "decode": []})
+            for role in roles:
+                engines.append(_start_engine(mode, r, _engine_dep(r, m["label"], role), role,
+                                             m, tmp, tiny, logs))
+                urls[-1][role].append(engines[-1].url)
         port = free_port()
-        overrides = ["--host", "127.0.0.1", "--port", str(port), "--model", str(tiny),
-                     "--discovery", "static", "--prefill", engines[0].url,
-                     "--decode", engines[1].url]
+        overrides = ["--host", "127.0.0.1", "--port", str(port), "--discovery", "static"]
+        if config.get("models"):  # each model on its engines here, the tiny tokenizer
+            overrides += ["--models", json.dumps([
+                {**{k: v for k, v in m.items() if not k.endswith("_selector") and k != "label"},
+                 "model": str(tiny), **u} for m, u in zip(models, urls, strict=True)])]
+        else:
+            overrides += ["--model", str(tiny), "--prefill", engines[0].url,
+                          "--decode", engines[1].url]
         notify_endpoint = None
         if config.get("pd_mode") == "notify":
             # Rendered: bind every interface on the declared port, advertise the pod IP.
@@ -213,7 +238,8 @@ def launch(mode: str, r: Rendered, tmp: Path, tiny: Path) -> Deployment:
         for e in engines:
             e.wait("/health", lambda resp: resp.status_code == 200)
         router.wait("/ready", lambda resp: resp.status_code == 200 and (
-            resp.json().get("prefill_healthy"), resp.json().get("decode_healthy")) == (1, 1))
+            resp.json().get("prefill_healthy"), resp.json().get("decode_healthy")) == (
+            sum(len(u["prefill"]) for u in urls), sum(len(u["decode"]) for u in urls)))
     except BaseException:
         for p in [*engines, *([router] if router else [])]:
             p.stop()
@@ -221,7 +247,31 @@ def launch(mode: str, r: Rendered, tmp: Path, tiny: Path) -> Deployment:
     return Deployment(
         mode, r, router, engines, files["PDGATE_API_KEYS_FILE"].split(","), engine_key,
         files["PDGATE_ADMIN_API_KEY_FILE"], files.get("PDGATE_NOTIFY_SECRET_FILE"),
-        notify_endpoint, model)
+        notify_endpoint, [m["served_model_name"][0] for m in models])
+
+
+def _start_engine(mode: str, r: Rendered, dep: dict[str, Any], role: str,
+                  model: dict[str, Any], tmp: Path, tiny: Path, logs: Path) -> Proc:
+    port, side = free_port(), free_port()
+    name = f"{model['label'] or 'model'}-{role}"
+    if mode.startswith("vllm"):
+        # vLLM pods get the engine key as VLLM_API_KEY; a shim stands in for vLLM with that
+        # key (its PDGATE_ENGINE_API_KEY), serving the same model names.
+        key = env_secret(r, dep, "VLLM_API_KEY")
+        args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+        names = args[args.index("--served-model-name") + 1:args.index("--host")]
+        c = Container(role, ["--served-model-name", *names], {}, {"http": port}, {})
+        extra = {"PDGATE_ENGINE_API_KEY": key}
+    else:
+        assert len(dep["spec"]["template"]["spec"]["containers"]) == 1
+        assert "command" not in dep["spec"]["template"]["spec"]["containers"][0]
+        c = realize(r, dep, tmp / name)
+        extra = {}
+    proc = start(name, ["shim"], c, [
+        "--host", "127.0.0.1", "--port", str(port), "--model", str(tiny),
+        "--device", "cpu", "--side-channel-port", str(side)], port, logs, extra)
+    proc.model = model["served_model_name"][0]
+    return proc
 
 
 @pytest.fixture(scope="module", params=["notify", "nokey", "vllm", "vllm-push"])
@@ -271,13 +321,19 @@ def test_engines_take_only_the_routers_key(deployment: Deployment) -> None:
                                    ("GET", "/debug/kv_transfers", None)):
             resp = httpx.request(method, e.url + path, json=body, timeout=10.0)
             assert resp.status_code == 401, (e.name, path, resp.text)
-        resp = d.completion(e.url, d.engine_key)
+        resp = d.completion(e.url, d.engine_key, model=e.model)
         assert resp.status_code == 200, f"{resp.text}\n{e.tail()}"
-    # The router's requests carry the key: a completion through it is served by the engines.
+    # The router's requests carry the key: a completion through it for every model the
+    # release serves (values-vllm.yaml: two) is served by that model's engines.
     before = [metric(e.url, "pdgate_shim_requests_total") for e in d.engines]
-    assert d.completion(d.router.url, d.client_keys[0]).status_code == 200
+    for model in d.models:
+        resp = d.completion(d.router.url, d.client_keys[0], model=model)
+        assert resp.status_code == 200, (model, resp.text)
     after = [metric(e.url, "pdgate_shim_requests_total") for e in d.engines]
     assert all(a > b for a, b in zip(after, before, strict=True)), (before, after)
+    if d.mode.startswith("vllm"):
+        assert d.models == ["qwen3-8b", "qwen3-0.6b"]
+        assert [e.model for e in d.engines] == ["qwen3-8b", "qwen3-8b", "qwen3-0.6b"]
 
 
 @pytest.mark.parametrize("deployment", ["notify"], indirect=True)  # vLLM: pull, no proxy

@@ -27,7 +27,7 @@ from pdgate.proxy.metrics import ProxyMetrics
 from pdgate.router import __version__ as pdgate_version
 from pdgate.router.cli import build_parser as router_parser
 from pdgate.router.config import RouterConfig, load_config
-from pdgate.router.config_checks import validate_config
+from pdgate.router.config_checks import model_configs, validate_config
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import POLICIES
 from tests.deploy.conftest import MONITORING, VLLM_PUSH_VALUES, VLLM_VALUES, write_values
@@ -72,8 +72,20 @@ def selects(selector: str, labels: dict[str, str]) -> bool:
 
 
 def engine_deployments(r: Rendered) -> dict[str, dict[str, Any]]:
-    return {m["metadata"]["labels"]["pdgate.io/role"]: m for m in r.of("Deployment")
-            if "pdgate.io/role" in m["metadata"]["labels"]}
+    """One model's engine Deployments by role (the first model's with several)."""
+    found: dict[str, dict[str, Any]] = {}
+    for m in r.of("Deployment"):
+        if "pdgate.io/role" in m["metadata"]["labels"]:
+            found.setdefault(m["metadata"]["labels"]["pdgate.io/role"], m)
+    return found
+
+
+def model_engines(r: Rendered) -> dict[tuple[str, str], dict[str, Any]]:
+    """Every engine Deployment by (its pdgate.io/model label, or "" for the one model;
+    role)."""
+    return {(m["metadata"]["labels"].get("pdgate.io/model", ""),
+             m["metadata"]["labels"]["pdgate.io/role"]): m
+            for m in r.of("Deployment") if "pdgate.io/role" in m["metadata"]["labels"]}
 
 
 def expand(arg: str, env: dict[str, str]) -> str:
@@ -144,8 +156,11 @@ def test_optional_objects_follow_their_switches(default: Rendered, vllm: Rendere
         "demo-pdgate-admin-key"]
     for r in (default, vllm):
         assert r.of("PrometheusRule") == []
-        assert sorted(p["metadata"]["name"] for p in r.of("PodDisruptionBudget")) == [
-            "demo-pdgate-decode", "demo-pdgate-prefill", "demo-pdgate-router"]
+    assert sorted(p["metadata"]["name"] for p in default.of("PodDisruptionBudget")) == [
+        "demo-pdgate-decode", "demo-pdgate-prefill", "demo-pdgate-router"]
+    assert sorted(p["metadata"]["name"] for p in vllm.of("PodDisruptionBudget")) == [
+        "demo-pdgate-qwen3-0-6b-decode", "demo-pdgate-qwen3-8b-decode",
+        "demo-pdgate-qwen3-8b-prefill", "demo-pdgate-router"]
     for r in (default, vllm):
         assert sorted(n["metadata"]["name"] for n in r.of("NetworkPolicy")) == [
             "demo-pdgate-engines", "demo-pdgate-router"]
@@ -157,16 +172,24 @@ def test_router_config_is_a_valid_router_config(rendered: Rendered, tmp_path: Pa
     path.write_text(cm["data"]["router.yaml"])
     config = validate_config(load_config(path), frozenset(POLICIES))  # strict field names
     assert config.discovery == "k8s" and config.namespace == "llm"
-    engines = engine_deployments(rendered)
-    assert set(engines) == {"prefill", "decode"}
-    for role, dep in engines.items():
-        labels = dep["spec"]["template"]["metadata"]["labels"]
-        other = engines["decode" if role == "prefill" else "prefill"]
-        assert selects(getattr(config, f"{role}_selector"), labels)
-        assert not selects(getattr(config, f"{role}_selector"),
-                           other["spec"]["template"]["metadata"]["labels"])
-        http = next(p for p in containers(dep)[0]["ports"] if p["name"] == "http")
-        assert getattr(config, f"{role}_port") == http["containerPort"]
+    engines = model_engines(rendered)
+    labels = set()
+    for model in model_configs(config):
+        # The model's pods: its selector's pdgate.io/model (none: the one model's pods).
+        terms = dict(t.split("=", 1) for t in model.decode_selector.split(","))
+        label = terms.get("pdgate.io/model", "")
+        labels.add(label)
+        mine = {role: dep for (m, role), dep in engines.items() if m == label}
+        roles = {"decode"} if model.pd_mode == "colocated" else {"prefill", "decode"}
+        assert set(mine) == roles, (model.model, set(mine))
+        for role, dep in mine.items():
+            selector = getattr(model, f"{role}_selector")
+            for other_key, other in engines.items():
+                pod = other["spec"]["template"]["metadata"]["labels"]
+                assert selects(selector, pod) == (other_key == (label, role)), other_key
+            http = next(p for p in containers(dep)[0]["ports"] if p["name"] == "http")
+            assert getattr(model, f"{role}_port") == http["containerPort"]
+    assert labels == {m for m, _ in engines}  # every engine Deployment serves a model
     router = rendered.one("Deployment", "-router")
     args = router_parser().parse_args(containers(router)[0]["args"])
     mount = next(v for v in containers(router)[0]["volumeMounts"] if v["name"] == "config")
@@ -289,8 +312,18 @@ def test_vllm_engines_get_the_connector_of_the_mode(
 ) -> None:
     r: Rendered = request.getfixturevalue(mode)
     config = yaml.safe_load(r.one("ConfigMap", "-router")["data"]["router.yaml"])
-    assert config.get("pd_mode", "pull") == ("push" if mode == "vllm_push" else "pull")
-    for dep in engine_deployments(r).values():
+    # values-vllm.yaml: Qwen3-8B on P/D (pull, or push on top), Qwen3-0.6B colocated.
+    assert [(m["model"], m["served_model_name"], m["pd_mode"]) for m in config["models"]] == [
+        ("Qwen/Qwen3-8B", ["qwen3-8b"], "push" if mode == "vllm_push" else "pull"),
+        ("Qwen/Qwen3-0.6B", ["qwen3-0.6b"], "colocated")]
+    engines = model_engines(r)
+    assert set(engines) == {("qwen3-8b", "prefill"), ("qwen3-8b", "decode"),
+                            ("qwen3-0-6b", "decode")}
+    small = containers(engines["qwen3-0-6b", "decode"])[0]
+    assert small["args"][:3] == ["Qwen/Qwen3-0.6B", "--served-model-name", "qwen3-0.6b"]
+    assert "--kv-transfer-config" not in small["args"]  # colocated: no KV connector
+    assert engines["qwen3-0-6b", "decode"]["spec"]["replicas"] == 1
+    for dep in (engines["qwen3-8b", "prefill"], engines["qwen3-8b", "decode"]):
         c = containers(dep)[0]
         assert c["image"] == f"vllm/vllm-openai:v{vllm_tested()}"
         assert c["command"] == ["vllm", "serve"]
@@ -367,8 +400,11 @@ def test_notes_tell_how_to_reach_the_router(renderer: Renderer, default: Rendere
     assert out.returncode == 0, out.stderr
     service = default.one("Service")["metadata"]["name"]
     assert f"port-forward svc/{service} 8000:80" in out.stdout
+    assert "Engines: 1 prefill + 1 decode (shim), model /models/Llama-3.1-8B" in out.stdout
     vllm_notes = renderer.run(VLLM_VALUES, api_versions=MONITORING, notes=True).stdout
     assert "https://llm.example.com/v1/models" in vllm_notes
+    assert "Model qwen3-8b (Qwen/Qwen3-8B, pull): 2 prefill + 2 decode (vllm)." in vllm_notes
+    assert "Model qwen3-0-6b (Qwen/Qwen3-0.6B, colocated): 1 decode (vllm)." in vllm_notes
 
 
 @pytest.mark.parametrize(("overrides", "message"), [
@@ -699,13 +735,16 @@ def test_network_policies_allow_only_the_release(
         r = renderer.render(write_values(tmp_path, {"networkPolicy": {"prometheus": PROMETHEUS}}))
     else:
         r = request.getfixturevalue(mode)
-    router, prefill, decode = (pod_labels(r, s) for s in ("-router", "-prefill", "-decode"))
+    roles = engine_deployments(r)  # one model's engines (the first of several)
+    router = pod_labels(r, "-router")
+    prefill, decode = (roles[role]["spec"]["template"]["metadata"]["labels"]
+                       for role in ("prefill", "decode"))
     other_release = {**router, "app.kubernetes.io/instance": "other"}
     stranger, engines = Source({"app": "curl"}), [Source(prefill), Source(decode)]
     outsiders = [stranger, Source(other_release), Source(router, namespace="elsewhere")]
     prometheus = Source({"app.kubernetes.io/name": "prometheus"}, namespace="monitoring")
     for role, dst in (("prefill", prefill), ("decode", decode)):
-        ports = named_ports(r.one("Deployment", f"-{role}"))
+        ports = named_ports(roles[role])
         # Engine API: the router only (and Prometheus when selected).
         assert allowed(r, dst, ports["http"], Source(router))
         for src in [*engines, *outsiders]:
@@ -787,3 +826,55 @@ def test_a_later_values_file_wins_as_with_helm(renderer: Renderer, tmp_path: Pat
     second = write_values(tmp_path, {"router": {"replicas": 3}}, "second.yaml")
     assert renderer.render(first, second).one("Deployment", "-router")["spec"]["replicas"] == 3
     assert renderer.render(second, first).one("Deployment", "-router")["spec"]["replicas"] == 2
+
+
+def test_two_models_each_get_their_engines_and_the_router_names_both(
+    renderer: Renderer, tmp_path: Path
+) -> None:
+    """Shim engines, two models: one P/D in push mode with its own replicas, one colocated.
+    Each gets its Deployments (named and labelled after it, its own --model and served name)
+    and the router's config lists both, each selecting only its own pods."""
+    r = renderer.render(write_values(tmp_path, {"models": [
+        {"name": "big", "model": "/models/big", "servedModelName": ["big", "big-alias"],
+         "pdMode": "push", "prefill": {"replicas": 3}, "decode": {"replicas": 2},
+         "routerConfig": {"decode_policy": "round-robin"}},
+        {"name": "small", "model": "/models/small", "pdMode": "colocated",
+         "decode": {"resources": {"requests": {"cpu": "2"}}}},
+    ]}))
+    engines = model_engines(r)
+    assert set(engines) == {("big", "prefill"), ("big", "decode"), ("small", "decode")}
+    assert [engines[k]["metadata"]["name"] for k in sorted(engines)] == [
+        "demo-pdgate-big-decode", "demo-pdgate-big-prefill", "demo-pdgate-small-decode"]
+    assert (engines["big", "prefill"]["spec"]["replicas"],
+            engines["big", "decode"]["spec"]["replicas"],
+            engines["small", "decode"]["spec"]["replicas"]) == (3, 2, 1)
+    # A model's pool values are merged over engines.decode's, key by key.
+    assert containers(engines["small", "decode"])[0]["resources"]["requests"] == {
+        "cpu": "2", "memory": "32Gi"}
+    for (model, _), dep in engines.items():
+        args = containers(dep)[0]["args"]
+        assert args[args.index("--model") + 1] == f"/models/{model}"
+        assert args[args.index("--served-model-name") + 1] == model
+        assert dep["spec"]["template"]["metadata"]["labels"]["pdgate.io/model"] == model
+    path = tmp_path / "router.yaml"
+    path.write_text(r.one("ConfigMap", "-router")["data"]["router.yaml"])
+    config = validate_config(load_config(path), frozenset(POLICIES))
+    big, small = model_configs(config)
+    assert (big.served_names, big.pd_mode, big.decode_policy) == (
+        ["big", "big-alias"], "push", "round-robin")
+    assert (small.served_names, small.pd_mode) == (["small"], "colocated")
+    for (model, role), dep in engines.items():
+        pod = dep["spec"]["template"]["metadata"]["labels"]
+        for one in (big, small):
+            selector = getattr(one, f"{role}_selector")
+            assert selects(selector, pod) == (one.served_names[0] == model), (model, role)
+    assert len(r.of("PodDisruptionBudget")) == 4  # each engine Deployment and the router
+
+
+def test_models_need_distinct_label_safe_names(renderer: Renderer, tmp_path: Path) -> None:
+    one = {"name": "a", "model": "/models/a", "pdMode": "colocated"}
+    cases = [([one, one], 'models[1].name: "a" names two models'),
+             ([{**one, "pdMode": "pul"}], "pdMode"),
+             ([{**one, "name": "Big_Model"}], "name")]
+    for models, message in cases:
+        assert message in renderer.error(write_values(tmp_path, {"models": models}))

@@ -75,6 +75,30 @@ anonymous access not allowed) a generated key. */}}
 {{- if or .Values.apiKeys.keys .Values.apiKeys.existingSecret (not .Values.auth.allowAnonymous) -}}true{{- end -}}
 {{- end -}}
 
+{{/* Every model the release serves, as {plans: [...]}: `models` when set, else the one
+model of `model` / `servedModelName` / `engines.*` / `router.pdMode`. A plan: name ("" for
+the one model: its objects keep their names), model, served (names), pdMode, prefix (of its
+components), pools (role -> engine pool values; a colocated model has no prefill pool),
+routerConfig (RouterConfig fields of its `models:` entry). */}}
+{{- define "pdgate.modelPlans" -}}
+{{- $plans := list -}}
+{{- if .Values.models -}}
+{{- range $m := .Values.models -}}
+{{- $mode := default $.Values.router.pdMode $m.pdMode -}}
+{{- $pools := dict -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- if or (eq $role "decode") (ne $mode "colocated") -}}
+{{- $_ := set $pools $role (merge (deepCopy (default dict (index $m $role))) (deepCopy (index $.Values.engines $role))) -}}
+{{- end -}}
+{{- end -}}
+{{- $plans = append $plans (dict "name" $m.name "model" $m.model "served" (default (list $m.name) $m.servedModelName) "pdMode" $mode "prefix" (printf "%s-" $m.name) "pools" $pools "routerConfig" (default dict $m.routerConfig)) -}}
+{{- end -}}
+{{- else -}}
+{{- $plans = append $plans (dict "name" "" "model" .Values.model "served" (default (list .Values.model) .Values.servedModelName) "pdMode" .Values.router.pdMode "prefix" "" "pools" (dict "prefill" .Values.engines.prefill "decode" .Values.engines.decode) "routerConfig" dict) -}}
+{{- end -}}
+{{- toYaml (dict "plans" $plans) -}}
+{{- end -}}
+
 {{/* vLLM's KV connector for the mode: pull reads (NixlConnector), push writes
 (NixlPushConnector). */}}
 {{- define "pdgate.vllmConnector" -}}
@@ -198,7 +222,20 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if ne .Values.router.pdMode "pull" -}}
 {{- $_ := set $cfg "pd_mode" .Values.router.pdMode -}}
 {{- end -}}
-{{- if eq .Values.router.pdMode "notify" -}}
+{{- if .Values.models -}}
+{{- /* Several models: each finds its pods by its name and role labels (engines.yaml). */ -}}
+{{- $models := list -}}
+{{- range $p := (include "pdgate.modelPlans" . | fromYaml).plans -}}
+{{- $entry := dict "model" $p.model "served_model_name" $p.served "pd_mode" $p.pdMode -}}
+{{- range $role := keys $p.pools -}}
+{{- $_ := set $entry (printf "%s_selector" $role) (printf "%s,pdgate.io/model=%s" (include "pdgate.engineSelector" (dict "ctx" $ "role" $role)) $p.name) -}}
+{{- end -}}
+{{- $models = append $models (merge (deepCopy $p.routerConfig) $entry) -}}
+{{- end -}}
+{{- $cfg = omit $cfg "model" "served_model_name" "prefill_selector" "decode_selector" "pd_mode" -}}
+{{- $_ := set $cfg "models" $models -}}
+{{- end -}}
+{{- if has "notify" (include "pdgate.modes" . | fromYaml).modes -}}
 {{- /* Engines reach the proxy at the pod IP (PDGATE_NOTIFY_ADVERTISE_HOST, downward API). */ -}}
 {{- $_ := set $cfg "notify_bind" (printf "tcp://0.0.0.0:%d" (int .Values.router.notifyPort)) -}}
 {{- end -}}
@@ -209,30 +246,64 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- toYaml (merge (deepCopy .Values.router.config) $cfg) -}}
 {{- end -}}
 
+{{/* The pd modes the release's models run, as {modes: [...]}. */}}
+{{- define "pdgate.modes" -}}
+{{- $modes := list -}}
+{{- range $p := (include "pdgate.modelPlans" . | fromYaml).plans -}}
+{{- $modes = append $modes $p.pdMode -}}
+{{- end -}}
+{{- toYaml (dict "modes" $modes) -}}
+{{- end -}}
+
 {{/* Fail early, with the values key in the message, on settings that cannot work. */}}
 {{- define "pdgate.validate" -}}
-{{- if not .Values.model -}}
-{{- fail "model: set the model the engines serve (a path under /models or a hub name)" -}}
+{{- if and (not .Values.model) (not .Values.models) -}}
+{{- fail "model: set the model the engines serve (a path under /models or a hub name), or models" -}}
 {{- end -}}
 {{- if not (has .Values.engines.kind (list "shim" "vllm")) -}}
 {{- fail (printf "engines.kind: must be shim or vllm, not %q" .Values.engines.kind) -}}
 {{- end -}}
-{{- if and (eq .Values.engines.kind "shim") (not (hasPrefix "/" .Values.model)) (ne .Values.model "tiny") -}}
-{{- fail (printf "model: shim engines load a local directory (a path under /models, from modelVolume), not %q" .Values.model) -}}
+{{- $names := list -}}
+{{- range $i, $p := (include "pdgate.modelPlans" . | fromYaml).plans -}}
+{{- $at := ternary "model" (printf "models[%d].model" $i) (eq $p.name "") -}}
+{{- if ne $p.name "" -}}
+{{- if not (regexMatch "^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$" (toString $p.name)) -}}
+{{- fail (printf "models[%d].name: a lowercase DNS label of at most 40 characters (it names the model's Deployments and its pdgate.io/model label), not %q" $i (toString $p.name)) -}}
 {{- end -}}
-{{- if and (hasPrefix "/models" .Values.model) (not .Values.modelVolume) -}}
-{{- fail "modelVolume: model is a path under /models, so a volume must be mounted there" -}}
+{{- if has $p.name $names -}}
+{{- fail (printf "models[%d].name: %q names two models" $i $p.name) -}}
+{{- end -}}
+{{- $names = append $names $p.name -}}
+{{- if not $p.model -}}
+{{- fail (printf "%s: set the model the engines serve (a path under /models or a hub name)" $at) -}}
+{{- end -}}
+{{- if not (has $p.pdMode (list "pull" "notify" "push" "colocated")) -}}
+{{- fail (printf "models[%d].pdMode: must be pull, notify, push or colocated, not %q" $i $p.pdMode) -}}
+{{- end -}}
+{{- end -}}
+{{- if and (eq $.Values.engines.kind "shim") (not (hasPrefix "/" (toString $p.model))) (ne (toString $p.model) "tiny") -}}
+{{- fail (printf "%s: shim engines load a local directory (a path under /models, from modelVolume), not %q" $at (toString $p.model)) -}}
+{{- end -}}
+{{- if and (hasPrefix "/models" (toString $p.model)) (not $.Values.modelVolume) -}}
+{{- fail (printf "modelVolume: %s is a path under /models, so a volume must be mounted there" $at) -}}
+{{- end -}}
+{{- if and (eq $.Values.engines.kind "vllm") (eq $p.pdMode "notify") (ne $p.name "") -}}
+{{- fail (printf "models[%d].pdMode: vLLM engines support pull (NixlConnector), push (NixlPushConnector) and colocated; notify needs shim engines" $i) -}}
+{{- end -}}
+{{- range $role, $pool := $p.pools -}}
+{{- if lt (int $pool.replicas) 1 -}}
+{{- fail (printf "%s.replicas: at least one %s engine is needed" (ternary (printf "engines.%s" $role) (printf "models[%d].%s" $i $role) (eq $p.name "")) $role) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- if and (eq .Values.engines.kind "vllm") (not .Values.engines.vllm.image.repository) -}}
 {{- fail "engines.vllm.image.repository: set the vLLM image to run" -}}
 {{- end -}}
-{{- range $role := list "prefill" "decode" -}}
-{{- if lt (int (index $.Values.engines $role).replicas) 1 -}}
-{{- fail (printf "engines.%s.replicas: at least one %s engine is needed" $role $role) -}}
-{{- end -}}
-{{- end -}}
 {{- with .Values.engines.autoscaling -}}
 {{- if .enabled -}}
+{{- if $.Values.models -}}
+{{- fail "engines.autoscaling: scales the one model's pools; with models it is not supported yet (set each model's replicas)" -}}
+{{- end -}}
 {{- $decider := index $.Values.router.config "decider" | default "measured-cost" -}}
 {{- if eq (kindOf $decider) "map" -}}{{- $decider = $decider.type -}}{{- end -}}
 {{- if ne $decider "measured-cost" -}}
@@ -276,7 +347,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if not (has .Values.router.pdMode (list "pull" "notify" "push")) -}}
 {{- fail (printf "router.pdMode: must be pull, notify or push, not %q" .Values.router.pdMode) -}}
 {{- end -}}
-{{- if and (eq .Values.engines.kind "vllm") (eq .Values.router.pdMode "notify") -}}
+{{- if and (eq .Values.engines.kind "vllm") (eq .Values.router.pdMode "notify") (not .Values.models) -}}
 {{- fail "router.pdMode: vLLM engines support pull (NixlConnector) and push (NixlPushConnector); notify needs shim engines" -}}
 {{- end -}}
 {{- with .Values.engines.vllm.kvTransferConfig.kv_connector -}}
@@ -296,7 +367,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- if and .Values.tracing.endpoint (eq .Values.tracing.protocol "http/protobuf") (not (hasSuffix "/v1/traces" .Values.tracing.endpoint)) -}}
 {{- fail "tracing.endpoint: with protocol http/protobuf, give the full URL ending in /v1/traces" -}}
 {{- end -}}
-{{- if and (eq .Values.router.pdMode "notify") (not .Values.notificationSecret.enabled) -}}
+{{- if and (has "notify" (include "pdgate.modes" . | fromYaml).modes) (not .Values.notificationSecret.enabled) -}}
 {{- fail "notificationSecret.enabled: notify mode needs the secret, or the router's KV-ready proxy accepts unsigned notices" -}}
 {{- end -}}
 {{- range $key := list "engineApiKey" "adminApiKey" -}}

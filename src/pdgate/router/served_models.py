@@ -13,7 +13,7 @@ model's requests keeps serving the others until its own probes fail).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pdgate.router.adapters import AdapterNeed, ModelAdapters
 from pdgate.router.config import RouterConfig
@@ -34,11 +34,14 @@ class ServedModel:
     pool: EndpointPool
     orchestrator: Orchestrator
     adapters: ModelAdapters | None = None  # its LoRA adapters (None: enable_lora is off)
+    # The first served name (how logs, metrics and `/ready` name the model) and the name the
+    # engines know it by; worked out once here, not per request.
+    name: str = field(init=False)
+    engine_model: str = field(init=False)
 
-    @property
-    def name(self) -> str:
-        """The model's first served name: how logs, metrics and `/ready` name it."""
-        return self.config.served_names[0]
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "name", self.config.served_names[0])
+        object.__setattr__(self, "engine_model", self.config.engine_model)
 
     @property
     def max_model_len(self) -> int | None:

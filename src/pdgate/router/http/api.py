@@ -152,8 +152,8 @@ def build_request(
     model = req.params.model
     served, req.adapter = models.find(model)
     # An adapter's name is what engines know it by; a served alias is rewritten.
-    if model is not None and req.adapter is None and model != served.config.engine_model:
-        req.body["model"] = served.config.engine_model
+    if model is not None and req.adapter is None and model != served.engine_model:
+        req.body["model"] = served.engine_model
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     for name, raw_name, valid in _TRACE_HEADERS:
         if (value := header_value(request.scope, raw_name)) is not None and valid(value):

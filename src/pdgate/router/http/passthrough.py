@@ -122,8 +122,8 @@ async def _read_body(request: Request, st: RouterState) -> tuple[
     served, adapter = st.models.find(model if isinstance(model, str) else None)
     if model is not None and not isinstance(model, str):
         raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-    if model is not None and adapter is None and model != served.config.engine_model:
-        body["model"] = served.config.engine_model
+    if model is not None and adapter is None and model != served.engine_model:
+        body["model"] = served.engine_model
         return _json_encode(body), served, None
     return raw, served, adapter
 

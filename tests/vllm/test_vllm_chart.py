@@ -18,7 +18,12 @@ pod IP, the router's whole config file and its key files):
   graph compilation), and this suite's CPU pinning and NIXL progress-thread environment
   (tests/vllm/processes.py `vllm_env`);
 - the router's engine discovery: `--discovery static` with the two engines' URLs instead of
-  the pod watch (tests/deploy/test_chart_runs.py does the same).
+  the pod watch (tests/deploy/test_chart_runs.py does the same);
+- the models: values-vllm.yaml serves two, Qwen3-8B on P/D and Qwen3-0.6B colocated; this
+  suite runs the P/D one (`PD_MODEL`: its rendered Deployments and its `models:` entry, the
+  router given that entry alone with `--models`): a third vLLM engine for the colocated
+  model does not fit beside the two on this machine's cores, and tests/deploy/
+  test_chart_runs.py serves both models from the same renders with shims standing in.
 
 Each release then serves greedy completions and a streamed chat through the router equal to
 the prefill engine's own colocated answer, with the decode engine's prompt tokens loaded
@@ -56,6 +61,7 @@ RENDERS = {"pull": (CHART / "values-vllm.yaml",),
 CORES = {"prefill": "0", "decode": "1"}
 CPU_ARGS = ["--dtype", "float32", "--enforce-eager"]
 MAX_MODEL_LEN = "1024"
+PD_MODEL = "qwen3-8b"  # values-vllm.yaml's P/D model (`name`: its Deployments' infix)
 
 
 def engine_argv(c: Container, python: Path, model_dir: Path, port: int) -> list[str]:
@@ -80,7 +86,7 @@ def engine_argv(c: Container, python: Path, model_dir: Path, port: int) -> list[
 
 def start_engine(r: Rendered, role: str, python: Path, model_dir: Path, tmp: Path,
                  logs: Path) -> Proc:
-    c = realize(r, r.one("Deployment", f"-{role}"), tmp / role)
+    c = realize(r, r.one("Deployment", f"-{PD_MODEL}-{role}"), tmp / role)
     port, side = free_port(), free_port()
     env = {**vllm_env(CORES[role], side), **c.env,
            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side)}  # the chart's 5600, moved
@@ -112,11 +118,22 @@ def start_router(r: Rendered, model_dir: Path, engines: list[Proc], tmp: Path,
                  logs: Path) -> tuple[Proc, Container]:
     c = realize(r, r.one("Deployment", "-router"), tmp / "router")
     port = free_port()
-    overrides = ["--host", "127.0.0.1", "--port", str(port), "--model", str(model_dir),
-                 "--discovery", "static", "--prefill", engines[0].url,
-                 "--decode", engines[1].url]
+    config = yaml.safe_load(Path(c.args[c.args.index("--config") + 1]).read_text())
+    entry = _pd_entry(config)
+    entry = {k: v for k, v in entry.items() if not k.endswith("_selector")}
+    overrides = ["--host", "127.0.0.1", "--port", str(port), "--discovery", "static",
+                 "--models", json.dumps([{**entry, "model": str(model_dir),
+                                          "prefill": [engines[0].url],
+                                          "decode": [engines[1].url]}])]
     argv = [sys.executable, "-m", "pdgate.cli", "router", *c.args, *overrides]
     return _spawn("router", argv, c.process_env(), logs, f"http://127.0.0.1:{port}"), c
+
+
+def _pd_entry(config: dict[str, Any]) -> dict[str, Any]:
+    """The rendered router config's entry of `PD_MODEL`."""
+    [entry] = [m for m in config["models"] if f"pdgate.io/model={PD_MODEL}" in
+               m["decode_selector"]]
+    return dict(entry)
 
 
 @pytest.fixture(scope="module")
@@ -141,11 +158,12 @@ def release(request: pytest.FixtureRequest, renderer: Renderer, vllm_python: Pat
             procs.append(router)
             wait_ready([router], "/ready", 120.0)
             config = yaml.safe_load(Path(c.args[c.args.index("--config") + 1]).read_text())
-            assert config.get("pd_mode", "pull") == mode
+            entry = _pd_entry(config)
+            assert entry["pd_mode"] == mode
             files = {k: Path(v).read_text() for k, v in c.env.items() if k.endswith("_FILE")}
             yield Release(mode, procs[0], procs[1], router,
                           files["PDGATE_API_KEYS_FILE"].split(",")[0],
-                          files["PDGATE_ENGINE_API_KEY_FILE"], config["served_model_name"][0])
+                          files["PDGATE_ENGINE_API_KEY_FILE"], entry["served_model_name"][0])
         finally:
             for proc in reversed(procs):
                 try:

@@ -67,12 +67,14 @@ def _free_base(count: int) -> int:
     raise RuntimeError("no free port range")
 
 
-def start(mode: str, log_dir: Path, device: str,
-          router_args: list[str]) -> tuple[subprocess.Popen[bytes], str]:
-    """`pdgate up` for `mode`; returns the process and the router URL once ready."""
+def start(mode: str, log_dir: Path, device: str, router_args: list[str],
+          model: str | None = None) -> tuple[subprocess.Popen[bytes], str]:
+    """`pdgate up` for `mode` (on `model`, a directory; default the tiny model); returns
+    the process and the router URL once ready."""
     base = _free_base(5)
     flags = ["--pd-mode", "pull" if mode == "colocated" else mode, "--device", device,
-             *(f"--router-arg={a}" for a in router_args)]
+             *(f"--router-arg={a}" for a in router_args),
+             *(["--model", model] if model else [])]
     if mode == "colocated":
         flags.append("--router-arg=--disagg-min-tokens=1000000")
     argv = [sys.executable, "-m", "pdgate.cli", "up", "--no-demo", "--port", str(base),
@@ -172,7 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     figures: dict[str, Any] = {f"{t}x{c}": {} for t, c in cells(args)}
     with tempfile.TemporaryDirectory(prefix="pdgate-bench-e2e-") as tmp:
         for mode in args.modes:
-            proc, url = start(mode, Path(tmp) / mode, args.device, args.router_arg)
+            proc, url = start(mode, Path(tmp) / mode, args.device, args.router_arg, args.model)
             try:
                 for n, (t, c) in enumerate(cells(args)):
                     # The same prompts in every mode (distinct per cell: no cache reuse).
@@ -256,7 +258,8 @@ def main() -> int:
     p.add_argument("--kill-after", type=int, default=16,
                    help="--resume-gap: chunks of the stream before its decode engine dies")
     p.add_argument("--model", default=None,
-                   help="--resume-gap: engines' model directory (default: the tiny model)")
+                   help="the engines' model directory (default: the tiny model; "
+                        "bench/llama8b_shape.py builds Llama-3-8B's layer shape)")
     args = p.parse_args()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     if args.resume_gap:

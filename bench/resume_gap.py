@@ -184,6 +184,8 @@ def _prefix(c: Cluster, text: str, tokens: int) -> list[int]:
     r = httpx.post(c.engine_url(c.alive_decode()) + "/v1/completions", timeout=300, json={
         "prompt": text, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
         "return_token_ids": True})
+    if r.status_code != 200:
+        raise RuntimeError(f"the decode engine answered {r.status_code}: {r.text[:500]}")
     choice = r.json()["choices"][0]
     return list(choice["prompt_token_ids"]) + list(choice["token_ids"])
 

@@ -215,16 +215,17 @@ def _router_argv(args: argparse.Namespace, plans: list[ModelPlan],
         argv += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     if args.notify_secret:
         argv += ["--notify-secret", args.notify_secret]
-    argv += args.router_arg
     if len(plans) > 1 or plans[0].colocated:  # several models: a models: config
         urls = [([c.url for c in mine if _is_prefill(c.name)],
                  [c.url for c in mine if not _is_prefill(c.name)]) for mine in engines]
         return argv + ["--config", str(write_router_config(
-            log_dir / "router-models.yaml", plans, urls))]
+            log_dir / "router-models.yaml", plans, urls)), *args.router_arg]
     argv += ["--model", plans[0].model_dir, "--served-model-name", plans[0].name]
     for child in engines[0]:
         argv += ["--prefill" if _is_prefill(child.name) else "--decode", child.url]
-    return argv
+    # Last: a --router-arg adds to the lists above (another served name is an alias; the
+    # first one stays the name the engines serve) and overrides single values.
+    return argv + args.router_arg
 
 
 def _loopback(host: str) -> bool:

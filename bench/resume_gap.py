@@ -141,8 +141,11 @@ class Cluster:
 
 
 def _prompt(i: int, tokens: int) -> str:
-    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
-    return f"{i} " + " ".join(words[(i + k * 5) % len(words)] for k in range(tokens))
+    """bench/e2e.py's prompt: `tokens` tiny-tokenizer tokens (the Greek-letter words this
+    used before are 4-5 tokens each: `--prompt-tokens 480` was 2,164 tokens)."""
+    from bench.e2e import prompt
+
+    return prompt(i, tokens)
 
 
 async def _migrated_stream(c: Cluster, text: str, args: argparse.Namespace) -> float:

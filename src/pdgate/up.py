@@ -225,7 +225,8 @@ def _router_argv(args: argparse.Namespace, plans: list[ModelPlan],
         argv += ["--prefill" if _is_prefill(child.name) else "--decode", child.url]
     # Last: a --router-arg adds to the lists above (another served name is an alias; the
     # first one stays the name the engines serve) and overrides single values.
-    return argv + args.router_arg
+    extra: list[str] = args.router_arg
+    return argv + extra
 
 
 def _loopback(host: str) -> bool:

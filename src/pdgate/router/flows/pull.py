@@ -56,12 +56,14 @@ class PullFlow:
         return await self.decode.serve(req, None, t0, "direct")
 
     async def prefill_or_fallback(self, req: ClientRequest) -> PrefillOutcome | None:
-        """`run_prefill`, or None (decode-only, counted) when no prefill engine is healthy:
-        a P/D router must keep serving on its decode engines when every P is down."""
+        """`run_prefill`, or None (decode-only, counted) when no prefill engine is healthy or
+        every one tried could not be reached: a P/D router must keep serving on its decode
+        engines when every P is down, also in the seconds before the health probes see it
+        (a P killed a moment ago refuses connections while the pool still counts it)."""
         try:
             return await self.run_prefill(req)
         except (NoEndpointAvailable, EngineUnavailable) as exc:
-            if self.parts.pool.healthy("prefill"):
+            if self.parts.pool.healthy("prefill") and not isinstance(exc, EngineUnavailable):
                 raise
             self.parts.metrics.count_fallback("no_prefill")
             log.warning("request %s: no healthy prefill engine (%s); decode engine computes "

@@ -37,7 +37,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.e2e import _free_base, one, prompt, stop  # noqa: E402
+from bench.e2e import _free_base, launch, one, prompt, stop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DECIDERS = ("static", "measured-cost")
@@ -59,21 +59,7 @@ def start(decider: str, tmp: Path, device: str = "cpu",
             "--num-blocks", "2048", "--log-dir", str(tmp / decider),
             f"--router-arg=--config={config}", "--router-arg=--tokenize-prompts=always",
             "--device", device, *(up_args or [])]
-    proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{base}"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"pdgate up ({decider}) exited; logs in {tmp / decider}")
-        try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    stop(proc)
-    raise RuntimeError(f"pdgate up ({decider}) not ready")
+    return launch(argv, base, decider, tmp / decider, 240.0)
 
 
 def scrape(url: str) -> dict[tuple[str, str], float]:

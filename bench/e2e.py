@@ -80,13 +80,20 @@ def start(mode: str, log_dir: Path, device: str, router_args: list[str],
     argv = [sys.executable, "-m", "pdgate.cli", "up", "--no-demo", "--port", str(base),
             "--engine-port-base", str(base + 1), "--side-channel-port-base", str(base + 3),
             "--block-size", "16", "--num-blocks", "2048", "--log-dir", str(log_dir), *flags]
+    return launch(argv, base, mode, log_dir, 180.0)
+
+
+def launch(argv: list[str], port: int, what: str, log_dir: Path,
+           timeout: float) -> tuple[subprocess.Popen[bytes], str]:
+    """Start `pdgate up` (`argv`) and wait until its router on `port` is ready; the
+    process and the router URL (the process stopped, and an error, if it never is)."""
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{base}"
-    deadline = time.monotonic() + 180
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"pdgate up ({mode}) exited; logs in {log_dir}")
+            raise RuntimeError(f"pdgate up ({what}) exited; logs in {log_dir}")
         try:
             if httpx.get(url + "/ready", timeout=1).status_code == 200:
                 return proc, url
@@ -94,7 +101,7 @@ def start(mode: str, log_dir: Path, device: str, router_args: list[str],
             pass
         time.sleep(0.3)
     stop(proc)
-    raise RuntimeError(f"pdgate up ({mode}) not ready; logs in {log_dir}")
+    raise RuntimeError(f"pdgate up ({what}) not ready; logs in {log_dir}")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

@@ -90,7 +90,7 @@ def test_long_prompts_go_where_the_first_token_comes_sooner(cluster: Cluster) ->
         wait_metric(cluster, "prefill", lambda n: n >= 2)
         for i in range(3):
             got, headers = through_router(cluster, i)
-            assert "x-pdgate-prefill-engine" not in headers  # D alone
+            assert "x-pdgate-prefill-engine" not in headers, i  # D alone
             assert headers["x-pdgate-decode-engine"] == d
             assert got["choices"][0]["text"] == want[i]
     assert decisions(cluster, "cost_direct") == 3

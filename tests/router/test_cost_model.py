@@ -146,6 +146,15 @@ def test_bounds_and_the_decode_itl_guard() -> None:
     d = decider.decide(request(800))
     assert (d.disagg, d.reason) == (True, "decode_itl_guard")
     assert decider.decide(request(400)).reason == "cost_direct"
+    # The engines' last read still shows one running request, which was this router's and
+    # has ended since: no stall. One running request of another router's is one.
+    for ep in pool.endpoints("decode"):
+        ep.in_flight = 0
+        ep.load = EngineLoad(0.0, 1.0, 0.1, clock.t, mine=1)
+    assert decider.decide(request(800)).reason == "cost_direct"
+    for ep in pool.endpoints("decode"):
+        ep.load = EngineLoad(0.0, 2.0, 0.1, clock.t, mine=1)
+    assert decider.decide(request(800)).reason == "decode_itl_guard"
 
 
 def test_no_prefill_engine_keeps_the_static_answer() -> None:

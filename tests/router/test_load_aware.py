@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdgate.router.engine_load import EngineLoad, load_interval_s, load_of_page
+from pdgate.router.engine_load import EngineLoad, LoadPoller, load_interval_s, load_of_page
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import PickContext, PolicyEnv, build_policy, choose
 from pdgate.router.pool import EndpointPool
@@ -85,6 +85,26 @@ async def test_load_aware_picks(
     policy = build_policy("load-aware", PolicyEnv(clock=lambda: NOW))
     picks = [(await choose(pool, "decode", policy, CTX)).index for _ in expected]
     assert picks == expected
+
+
+async def test_a_read_remembers_how_many_requests_were_this_routers() -> None:
+    """The engine's figures include this router's requests in flight during the read; what
+    is left over is other routers' work, and a request of ours that has ended since is not
+    counted twice (the decider's guard read it as a busy decode engine)."""
+    metrics = RouterMetrics.create(CollectorRegistry())
+    pool = EndpointPool(["http://p"], ["http://d"], metrics)
+    ep = pool.endpoints("decode")[0]
+    page = b'vllm:num_requests_running{engine="0"} 3.0\nvllm:num_requests_waiting 0.0\n'
+
+    async def fetch(url: str) -> bytes | None:
+        ep.in_flight -= 1  # one of ours ends while the page is read
+        return page if url == "http://d" else None
+
+    ep.in_flight = 2
+    await LoadPoller(pool, fetch, metrics).round()
+    assert ep.load is not None
+    assert (ep.load.running, ep.load.mine, ep.load.others_running) == (3.0, 2, 1.0)
+    assert pool.endpoints("prefill")[0].load is None  # unreadable: no figures
 
 
 async def test_router_reads_the_engines_queues_and_routes_around_a_busy_one(

@@ -29,7 +29,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdgate.router.dp_ranks import engine_series
 from pdgate.router.metrics import RouterMetrics
@@ -52,17 +52,31 @@ KV_USAGE = b"vllm:kv_cache_usage_perc"
 @dataclass(frozen=True, slots=True)
 class EngineLoad:
     """One endpoint's load as its engine last reported it. `at` is `time.monotonic()` of
-    the read; `kv_usage` is in [0, 1] (None when the engine does not publish it)."""
+    the read; `kv_usage` is in [0, 1] (None when the engine does not publish it). `mine` is
+    how many of this router's requests were in flight there around the read: the engine's
+    figures include them, and by the time a policy reads this they may have ended, so
+    policies add the router's current count to what is left (`others_*`)."""
 
     waiting: float
     running: float
     kv_usage: float | None
     at: float
+    mine: int = 0
 
     @property
     def queued(self) -> float:
         """Requests the engine holds, queued or running."""
         return self.waiting + self.running
+
+    @property
+    def others_running(self) -> float:
+        """Running requests that were not this router's at the read."""
+        return max(0.0, self.running - self.mine)
+
+    @property
+    def others_queued(self) -> float:
+        """Queued or running requests that were not this router's at the read."""
+        return max(0.0, self.queued - self.mine)
 
 
 def load_of_page(page: bytes, at: float) -> dict[int | None, EngineLoad]:
@@ -109,12 +123,18 @@ class LoadPoller:
         """One read of every engine URL, concurrently; then every endpoint updated."""
         eps = self._pool.all()
         urls = list(dict.fromkeys(ep.url for ep in eps))
+        # A request of ours in flight at any time during the read may be in the page: the
+        # larger count of before and after is what the engine's figures may include.
+        before = {ep.key: ep.in_flight for ep in eps}
         pages = await asyncio.gather(*(self._fetch(u) for u in urls), return_exceptions=True)
         now = self._clock()
         by_url = {u: load_of_page(p, now) if isinstance(p, bytes) else {}
                   for u, p in zip(urls, pages, strict=True)}
         for ep in eps:
-            self._set(ep, _for_endpoint(ep, by_url.get(ep.url, {})))
+            load = _for_endpoint(ep, by_url.get(ep.url, {}))
+            if load is not None:
+                load = replace(load, mine=max(before.get(ep.key, 0), ep.in_flight))
+            self._set(ep, load)
 
     def _set(self, ep: Endpoint, load: EngineLoad | None) -> None:
         ep.load = load

@@ -4,7 +4,11 @@ The router's own in-flight count misses the requests of other router replicas (a
 work an engine still does for requests the router gave up on); the engine's `/metrics`
 (router/engine_load.py) does not. The `engine-load` scorer takes, per candidate,
 
-    busy     = max(in flight, engine running) + waiting_weight * engine waiting
+    busy     = in flight + others running + waiting_weight * engine waiting
+
+(`others running`: what the engine ran at its last read beyond this router's requests
+then; this router's own count is taken as it is now, so a request that just ended does not
+linger for a polling interval)
     score    = (1 - kv_weight) * (1 - min(1, busy / queue_threshold))
              + kv_weight * (1 - engine KV usage)
 
@@ -64,7 +68,7 @@ class EngineLoadScorer:
             if load is None or now - load.at > p.stale_s:
                 busy, free_kv = float(ep.in_flight), 1.0
             else:
-                busy = max(float(ep.in_flight), load.running) + p.waiting_weight * load.waiting
+                busy = ep.in_flight + load.others_running + p.waiting_weight * load.waiting
                 free_kv = 1.0 - load.kv_usage if load.kv_usage is not None else 1.0
             queue = 1.0 - min(1.0, busy / p.queue_threshold)
             out.append((1.0 - p.kv_weight) * queue + p.kv_weight * free_kv)

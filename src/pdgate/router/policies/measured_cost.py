@@ -229,25 +229,21 @@ class MeasuredCostDecider:
     def queues(self, prefill: Sequence[Endpoint], decode: Sequence[Endpoint]) -> dict[str, float]:
         """Queued prompt tokens per endpoint key (module docstring)."""
         mine: dict[str, float] = {}
-        count: dict[str, int] = {}
         for p in self._pending.values():
             role = "decode" if p.direct else "prefill"
             key = p.req.served_by.get(role)
             if key is None or (p.first if p.direct else p.prefill_s is not None):
                 continue
             mine[key] = mine.get(key, 0.0) + p.n
-            count[key] = count.get(key, 0) + 1
         now = self._load_clock()
         out: dict[str, float] = {}
         for ep in prefill:
-            extra = 0.0
             load = self._fresh(ep, now)
-            if load is not None:
-                extra = max(0.0, load.queued - count.get(ep.key, 0)) * self._mean_n
+            extra = 0.0 if load is None else load.others_queued * self._mean_n
             out[ep.key] = mine.get(ep.key, 0.0) + extra
         for ep in decode:
             load = self._fresh(ep, now)
-            batch = float(ep.in_flight) if load is None else max(ep.in_flight, load.running)
+            batch = float(ep.in_flight) + (0.0 if load is None else load.others_running)
             waiting = 0.0 if load is None else load.waiting * self._mean_n
             out[ep.key] = mine.get(ep.key, 0.0) + batch + waiting
         return out
@@ -269,7 +265,9 @@ class MeasuredCostDecider:
         ep = next((e for e in decode if e.key == key), None)
         if not limit or ep is None:
             return False
-        busy = ep.in_flight > 0 or (ep.load is not None and ep.load.running > 0)
+        # Another router's decodes count as the engine last reported them; this router's
+        # as they are now (a request of ours that just ended is no stall).
+        busy = ep.in_flight > 0 or (ep.load is not None and ep.load.others_running > 0)
         return busy and n / self.model.rate(ep.key, n) > limit
 
     def _watch(self, req: ClientRequest, n: int, direct: bool, queues: dict[str, float],

@@ -21,6 +21,7 @@ from pdgate.router.flows.base import StreamResult
 from pdgate.router.flows.migration import OFF, MigrationMetrics, Migrator
 from pdgate.router.flows.resume import continuation_body, declined, remaining_budget
 from pdgate.router.input.schema import ChatParams, ClientRequest, CompletionParams
+from pdgate.router.policies import PickContext
 
 PROMPT_IDS = [11, 12, 13]
 ERROR = b'data: {"error": {"message": "engine reset", "type": "x", "code": 502}}\n\n'
@@ -171,14 +172,17 @@ class _Legs:
 
     def __init__(self, refuse: bool = False) -> None:
         self.requests: list[ClientRequest] = []
+        self.avoided: list[frozenset[str]] = []
         self.refuse = refuse
 
     async def run(self, req: ClientRequest, t0: float) -> bytes | StreamResult:
         self.requests.append(req)
+        n = len(self.requests)
+        self.avoided.append(PickContext.of(req).avoid)
         if self.refuse:
             raise EngineUnavailable("no decode engine answers")
         req.served_by["prefill"] = "p"
-        n = len(self.requests)
+        req.served_by["decode"] = f"http://d{n}"
         return StreamResult(_leg(_completion(f"<{n}>", [100 + n]) + ERROR + DONE),
                             lambda: None)
 
@@ -212,6 +216,7 @@ async def test_a_continuation_that_fails_again_is_bounded() -> None:
     legs = _Legs()
     m = _migrator(legs, registry)
     req = _req({"max_tokens": 10, "temperature": 0})
+    req.served_by["decode"] = "http://d0@1"  # rank 1 of a data-parallel engine
     events = await _serve(m, req, _completion("a", [5], cid="cmpl-a") + ERROR + DONE)
     # Two continuations (each one more token), then the limit: the error event, one [DONE].
     assert [e["choices"][0]["text"] for e in events[:-2]] == ["a", "<1>", "<2>"]
@@ -222,6 +227,8 @@ async def test_a_continuation_that_fails_again_is_bounded() -> None:
     assert [r.body["max_tokens"] for r in legs.requests] == [9, 8]
     assert [r.request_id for r in legs.requests] == ["r1-m1", "r1-m2"]
     assert all(r.track_ids for r in legs.requests)
+    # Each continuation avoids every decode engine that failed the stream (all ranks).
+    assert legs.avoided == [{"http://d0"}, {"http://d0", "http://d1"}]
     count = registry.get_sample_value
     assert count("pdgate_migrations_total", {"mode": "pull", "result": "kv"}) == 2
     assert count("pdgate_migrations_total", {"mode": "pull", "result": "limit"}) == 1

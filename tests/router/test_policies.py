@@ -210,6 +210,17 @@ async def test_choose_excludes_tried_and_raises_when_none_left() -> None:
     assert info.value.status == 503
 
 
+async def test_choose_avoids_engines_that_failed_the_request_while_others_are_left() -> None:
+    pool = make_pool(3)
+    policy = build_policy("round-robin")
+    eps = pool.endpoints("prefill")
+    avoid = PickContext("r", avoid=frozenset({eps[0].url, eps[1].url}))
+    assert {(await choose(pool, "prefill", policy, avoid)).url for _ in range(4)} == {
+        eps[2].url}
+    # Only avoided engines left: one of them rather than none.
+    assert await choose(pool, "prefill", policy, avoid, exclude=(eps[2],)) in eps[:2]
+
+
 async def test_least_inflight_follows_tracked_load() -> None:
     pool = make_pool(2)
     policy = build_policy("least-inflight")

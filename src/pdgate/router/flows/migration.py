@@ -8,7 +8,8 @@ relayed events (router/engines/resume_events.py: ids removed, the error event he
 When a leg fails before its finish, the continuation is a completion whose prompt is the
 original prompt's ids plus the tokens the client has text for, with what is left of the
 budget, run through the flow of `--pd-mode` like any request: P prefills the whole prefix
-and its KV moves to a decode engine (the dead one fails its connect and is skipped), or,
+and its KV moves to another decode engine (the failed one is avoided: a dying engine may
+still accept connections and never answer), or,
 with no healthy P, a decode engine computes it (counted as `recompute`). The early first
 token of the continuation, its retries before the first byte, and its KV cleanup are the
 flows' own. The client sees one stream: the same id, one usage block, one `[DONE]`.
@@ -24,6 +25,7 @@ relayed), a `migration` span per continuation and `migrations` on the access lin
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -32,11 +34,13 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from pdgate.router import request_context
+from pdgate.router.dp_ranks import split_key
 from pdgate.router.engines.resume_events import ResumeEvents
 from pdgate.router.errors import RouterError
 from pdgate.router.flows.base import StreamResult
 from pdgate.router.flows.resume import continuation_body, declined, remaining_budget
 from pdgate.router.input.schema import ClientRequest, CompletionParams, StreamOptions
+from pdgate.router.policies import PickContext
 from pdgate.router.tracing import span
 
 __all__ = ["MigrationMetrics", "Migrator", "MigratingStream"]
@@ -134,6 +138,8 @@ class MigratingStream:
         self._events = ResumeEvents(req.kind == "chat", req.wants_usage_chunks)
         self._count = 0
         self._record = request_context.current()
+        self._served = req.served_by  # the open leg's engines
+        self._avoid: frozenset[str] = frozenset()  # decode engines that failed this stream
 
     def close(self) -> None:
         leg, self._leg = self._leg, None
@@ -158,6 +164,7 @@ class MigratingStream:
                 self._m.metrics.declined.labels("no_token_ids").inc()
                 break
             failed_at = time.perf_counter()
+            self._note_failed_decode()
             if not await self._resume(failed_at):
                 break
         if ev.failure is not None and ev.finished is not None and ev.wants_usage:
@@ -166,6 +173,13 @@ class MigratingStream:
             ev.bill_prompt(len(self._req.prompt_token_ids or ()))
             yield ev.usage_event()
         yield ev.end()
+
+    def _note_failed_decode(self) -> None:
+        """The failed leg's decode engine is avoided by every continuation of this stream
+        (all its DP ranks: one process), while another is healthy."""
+        key = self._served.get("decode")
+        if key is not None:
+            self._avoid |= {split_key(key)[0]}
 
     async def _prompt_ids(self) -> list[int]:
         req, tokenize = self._req, self._m.tokenize
@@ -191,6 +205,7 @@ class MigratingStream:
                     async with asyncio.timeout(deadline - time.perf_counter()):
                         self._leg, label = await self._open(failed_at)
             except (RouterError, TimeoutError) as exc:
+                self._note_failed_decode()
                 self._count_result("failed")
                 log.warning("request %s: continuation %d failed to open: %s",
                             self._req.request_id, self._count,
@@ -222,6 +237,8 @@ class MigratingStream:
         if budget < 1:
             raise RouterError("no completion budget left to continue the stream")
         cont = _continuation(req, prompt + kept, budget, self._count)
+        cont.pick_context = dataclasses.replace(PickContext.of(cont), avoid=self._avoid)
+        self._served = cont.served_by
         log.warning("request %s: decode failed mid-stream after %d tokens; continuing as %s "
                     "(%d prompt tokens, %d to go)", req.request_id, len(kept),
                     cont.request_id, len(cont.prompt_token_ids or ()), budget)

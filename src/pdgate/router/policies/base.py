@@ -61,6 +61,10 @@ class PickContext:
     # The request's LoRA adapter (None: the base model): the runner keeps only engines
     # holding it, and the prompt's block hashes are keyed by it (`lora_root`).
     adapter: AdapterNeed | None = None
+    # Engine URLs that failed this request mid-stream (a migration's continuation): the
+    # runner skips them while another candidate is left. A dying engine may still accept
+    # connections for a while and never answer; the pool learns that only later.
+    avoid: frozenset[str] = frozenset()
     _hashes: dict[int, list[int]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod

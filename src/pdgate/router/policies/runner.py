@@ -103,13 +103,16 @@ async def choose(
     ctx: PickContext,
     exclude: Sequence[Endpoint] = (),
 ) -> Endpoint:
-    """Pick a healthy `role` endpoint not in `exclude` (the engines already tried).
+    """Pick a healthy `role` endpoint not in `exclude` (the engines already tried), and not
+    one of `ctx.avoid`'s engines while another is left.
 
     Raises `NoEndpointAvailable` when no such endpoint exists.
     """
     candidates = pool.healthy(role)
     if exclude:
         candidates = [ep for ep in candidates if ep not in exclude]
+    if ctx.avoid:
+        candidates = [ep for ep in candidates if ep.url not in ctx.avoid] or candidates
     if not candidates:
         raise NoEndpointAvailable(f"no healthy {role} engine available")
     need = ctx.adapter

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -39,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -176,10 +178,22 @@ def cells(args: argparse.Namespace) -> list[tuple[int, int]]:
     return [(t, c) for t in args.prompt_tokens for c in args.concurrency]
 
 
+@contextlib.contextmanager
+def work_dir(args: argparse.Namespace, prefix: str) -> Iterator[str]:
+    """Where the run's engines and routers write their logs: `--keep-logs` (kept), else a
+    temporary directory removed at the end."""
+    if args.keep_logs:
+        Path(args.keep_logs).mkdir(parents=True, exist_ok=True)
+        yield args.keep_logs
+        return
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        yield tmp
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Figures per cell `"<prompt tokens>x<concurrency>"`, then per mode."""
     figures: dict[str, Any] = {f"{t}x{c}": {} for t, c in cells(args)}
-    with tempfile.TemporaryDirectory(prefix="pdgate-bench-e2e-") as tmp:
+    with work_dir(args, "pdgate-bench-e2e-") as tmp:
         for mode in args.modes:
             proc, url = start(mode, Path(tmp) / mode, args.device, args.router_arg, args.model)
             try:
@@ -226,7 +240,7 @@ def run_resume_gap(args: argparse.Namespace) -> int:
     if args.max_tokens <= args.kill_after:
         args.max_tokens = 4 * args.kill_after  # the default 8 would end before the kill
     figures = {}
-    with tempfile.TemporaryDirectory(prefix="pdgate-bench-resume-") as tmp:
+    with work_dir(args, "pdgate-bench-resume-") as tmp:
         if args.model is None:
             args.model = str(ensure_tiny_model(Path(tmp) / "tiny"))
         for mode in (m for m in args.modes if m in resume_gap.MODES):
@@ -257,6 +271,8 @@ def main() -> int:
                    help="extra `pdgate router` flag for every mode (repeatable), e.g. "
                         "--router-arg=--no-early-first-token")
     p.add_argument("--json", action="store_true", help="print figures as JSON last line")
+    p.add_argument("--keep-logs", default=None, metavar="DIR",
+                   help="write the engines' and routers' logs under DIR and keep them")
     p.add_argument("--resume-gap", action="store_true",
                    help="measure mid-stream migration (bench/resume_gap.py) instead")
     p.add_argument("--rounds", type=int, default=3,

@@ -189,3 +189,41 @@ async def test_series_carry_the_model_and_one_engine_serves_both(
     assert sorted((e["model"], e["role"]) for e in page["engines"]) == [
         ("alpha", "decode"), ("alpha", "prefill"), ("beta", "decode")]
     assert page["models"] == {"alpha": "pull", "beta": "colocated"}
+
+
+async def test_admin_changes_the_pool_of_the_model_it_names(
+    make_engine: Callable[..., Awaitable[FakeEngine]], start_models: Start,
+) -> None:
+    admin = {"Authorization": "Bearer admin-secret-1"}
+    router, (pa, da, db) = await two_models(make_engine, start_models,
+                                            admin_api_key="admin-secret-1")
+    c = router.client
+    listed = (await c.get("/admin/engines", headers=admin)).json()["engines"]
+    assert [(e["model"], e["url"], e["role"]) for e in listed] == [
+        ("alpha", pa.url, "prefill"), ("alpha", da.url, "decode"), ("beta", db.url, "decode")]
+    # beta's engine also serves alpha's decodes from now on (named by an alias).
+    added = await c.post("/admin/engines", headers=admin,
+                         json={"url": db.url, "role": "decode", "model": "alpha-alias"})
+    assert added.status_code == 201 and added.json()["model"] == "alpha"
+    unknown = await c.post("/admin/engines", headers=admin,
+                           json={"url": db.url, "role": "decode", "model": "gamma"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    # Removed from alpha only: beta keeps serving on it, alpha goes back to its own D.
+    gone = await c.delete(f"/admin/engines?url={db.url}&drain=false&model=alpha",
+                          headers=admin)
+    assert gone.status_code == 200 and gone.json()["models"] == ["alpha"]
+    for _ in range(2):
+        a = await c.post("/v1/completions", json={"model": "alpha", "prompt": "x",
+                                                  "max_tokens": 2})
+        assert a.headers["X-Pdgate-Decode-Engine"] == da.url
+    b = await c.post("/v1/completions", json={"model": "beta", "prompt": "x", "max_tokens": 3})
+    assert b.status_code == 200 and b.json()["choices"][0]["text"] == "b1b2b3"
+    # Without `model`, the engine leaves every pool it is in.
+    await c.post("/admin/engines", headers=admin,
+                 json={"url": db.url, "role": "decode", "model": "alpha"})
+    gone = await c.delete(f"/admin/engines?url={db.url}&drain=false", headers=admin)
+    assert sorted(gone.json()["models"]) == ["alpha", "beta"]
+    assert (await c.post("/v1/completions", json={
+        "model": "beta", "prompt": "x"})).status_code == 503
+    again = await c.delete(f"/admin/engines?url={db.url}", headers=admin)
+    assert again.status_code == 404 and again.json()["error"]["code"] == "engine_not_found"

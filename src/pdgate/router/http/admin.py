@@ -4,11 +4,19 @@ Installed only when `admin_api_key` is set; `router.auth.AuthMiddleware` checks 
 every `/admin` request (a separate key from the OpenAI one, so client keys cannot reshape the
 pool). Routes:
 
-    GET    /admin/engines                    every engine: role, health, in-flight, breaker
-    POST   /admin/engines  {"url", "role"}   start routing to an engine (201; 200 if known)
+    GET    /admin/engines                    every engine of every model: model, role,
+                                             health, in-flight, breaker
+    POST   /admin/engines  {"url", "role",   start routing a model's requests to an engine
+                            "model"?}        (201; 200 if known); `model`: a served name
+                                             (default: the first model)
     DELETE /admin/engines?url=U&drain=true   drain (default: finish in-flight, then remove)
-                                             or, with drain=false, remove at once
+           [&model=NAME]                     or, with drain=false, remove at once; from
+                                             every model's pool, or only NAME's
     GET    /admin/config                     the effective RouterConfig, secrets redacted
+
+An engine serving several models is in each of their pools (one entry per model in the
+list); removing it without `model` takes it out of all of them (it is one process, e.g.
+going away for maintenance). An unknown `model` is 404 `model_not_found`.
 
 Engine URLs are validated (`check_engine_url`): http(s) only, a host, no credentials, no
 path/query/fragment — the router never follows redirects, so the URL is exactly where
@@ -44,6 +52,7 @@ class AddEngine(msgspec.Struct, forbid_unknown_fields=True):
 
     url: str
     role: str
+    model: str | None = None
 
 
 class NotFound(RouterError):
@@ -64,9 +73,10 @@ def check_engine_url(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}"
 
 
-def endpoint_info(ep: Endpoint) -> dict[str, Any]:
-    """What `GET /admin/engines` shows of one engine."""
+def endpoint_info(ep: Endpoint, model: str) -> dict[str, Any]:
+    """What `GET /admin/engines` shows of one engine of `model`'s pool."""
     return {
+        "model": model,
         "url": ep.url,
         "rank": ep.rank,  # DP rank behind the URL (None: not data-parallel)
         "role": ep.role,
@@ -95,10 +105,10 @@ def install_admin_routes(table: RouteTable, holder: StateHolder) -> None:
     """Declare the `/admin` routes in `table` (the caller guards them with a key)."""
 
     async def list_engines(request: Request) -> Response:
-        return _json({"engines": [endpoint_info(ep) for ep in holder.state.pool.all()]})
+        return _json({"engines": [endpoint_info(ep, m.name) for m in holder.state.models.models
+                                  for ep in m.pool.all()]})
 
     async def add_engine(request: Request) -> Response:
-        pool = holder.state.pool
         try:
             cfg = holder.state.config
             raw = await read_body_within(request, _MAX_BODY, cfg.body_timeout_s,
@@ -112,26 +122,36 @@ def install_admin_routes(table: RouteTable, holder: StateHolder) -> None:
             url = check_engine_url(body.url)
             if body.role not in ("prefill", "decode"):
                 raise InvalidRequest("role must be 'prefill' or 'decode'", param="role")
+            model = holder.state.models.resolve(body.model)
         except RouterError as exc:
             return error_response(exc)
+        pool = model.pool
         known = any(ep.url == url and ep.role == body.role and not ep.draining
                     for ep in pool.all())
         ep = pool.add(url, "prefill" if body.role == "prefill" else "decode")
-        return _json(endpoint_info(ep), 200 if known else 201)
+        return _json(endpoint_info(ep, model.name), 200 if known else 201)
 
     async def delete_engine(request: Request) -> Response:
-        pool = holder.state.pool
         url = request.query_params.get("url")
+        name = request.query_params.get("model")
         if not url:
             return error_response(InvalidRequest("query parameter 'url' is required",
                                                  param="url"))
+        try:
+            models = [holder.state.models.resolve(name)] if name else \
+                list(holder.state.models.models)
+        except RouterError as exc:
+            return error_response(exc)
         url = url.rstrip("/")
         drain = request.query_params.get("drain", "true").lower() not in ("false", "0", "no")
-        found = pool.drain(url) if drain else pool.remove(url)
+        found = [m for m in models if (m.pool.drain(url) if drain else m.pool.remove(url))]
         if not found:
-            return error_response(NotFound(f"no engine {url!r} in the pool", param="url"))
-        still = [endpoint_info(ep) for ep in pool.all() if ep.url == url]
-        return _json({"url": url, "drain": drain, "removed": not still, "engines": still})
+            where = f"model `{name}`'s pool" if name else "any pool"
+            return error_response(NotFound(f"no engine {url!r} in {where}", param="url"))
+        still = [endpoint_info(ep, m.name) for m in found for ep in m.pool.all()
+                 if ep.url == url]
+        return _json({"url": url, "drain": drain, "removed": not still,
+                      "models": [m.name for m in found], "engines": still})
 
     async def config(request: Request) -> Response:
         return _json(redacted_config(holder.state.config))

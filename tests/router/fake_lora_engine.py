@@ -36,6 +36,7 @@ class FakeLoraEngine(FakeEngine):
     served: list[tuple[str, bool]] = field(default_factory=list)
     models_status: int = 200  # GET /v1/models answers this (non-200: an error body)
     base: str = BASE  # the base model's name (vLLM --served-model-name)
+    max_model_len: int = 2048  # what /v1/models reports (vLLM --max-model-len)
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_get("/v1/models", self._models)
@@ -45,7 +46,8 @@ class FakeLoraEngine(FakeEngine):
         if self.models_status != 200:
             return web.json_response({"error": {"message": "no"}}, status=self.models_status)
         data: list[dict[str, Any]] = [{"id": self.base, "object": "model", "root": "/m/base",
-                                       "parent": None, "max_model_len": 2048}]
+                                       "parent": None,
+                                       "max_model_len": self.max_model_len}]
         data += [{"id": name, "object": "model", "root": path, "parent": self.base}
                  for name, path in self.adapters.items()]
         return web.json_response({"object": "list", "data": data})

@@ -110,6 +110,21 @@ async def test_models_lists_the_adapters_the_engines_hold(
     assert one.status_code == 200 and one.json()["parent"] == MODEL
 
 
+async def test_models_reports_the_context_length_the_engines_serve(
+    make_lora: MakeLora, start_router: StartRouter
+) -> None:
+    """LoRA off: the engines' cards are read once each. The tiny model's files allow more
+    than the engines were started with; a request must fit whichever engine it lands on."""
+    p, d = await make_lora("P0"), await make_lora("D0")
+    p.max_model_len, d.max_model_len = 4096, 1536
+    router = await start_router([p], [d])
+    card = (await router.client.get("/v1/models")).json()["data"][0]
+    assert (card["id"], card["max_model_len"], card["root"]) == (MODEL, 1536, "/m/base")
+    # A configured context length is the operator's word.
+    other = await start_router([p], [d], max_model_len=1000)
+    assert (await other.client.get(f"/v1/models/{MODEL}")).json()["max_model_len"] == 1000
+
+
 async def test_unknown_adapter_is_404_and_one_without_a_pair_is_503(
     make_lora: MakeLora, start_router: StartRouter
 ) -> None:
@@ -245,10 +260,14 @@ async def test_lora_off_keeps_adapter_names_unknown(
     make_lora: MakeLora, start_router: StartRouter
 ) -> None:
     p, d = await make_lora("P0", SQL), await make_lora("D0", SQL)
-    router = await start_router([p], [d])
+    router = await start_router([p], [d], health_interval_s=0.02)
     resp = await router.client.post("/v1/completions", json=BODY)
     assert resp.status_code == 404 and _error(resp)["code"] == "model_not_found"
-    assert not [r for r in p.auth_seen if r[0] == "/v1/models"]
+    # Its model list was read once (the context length it serves with), not with every
+    # probe as with LoRA on.
+    probes = len([r for r in p.auth_seen if r[0] == "/health"])
+    await until(lambda: len([r for r in p.auth_seen if r[0] == "/health"]) >= probes + 3)
+    assert len([r for r in p.auth_seen if r[0] == "/v1/models"]) == 1
 
 
 async def test_each_models_adapters_stay_on_its_engines(

@@ -221,6 +221,16 @@ def start_router(model_dir: Path, prefill: list[str], decode: list[str], log_dir
     return _spawn("router", argv, env, log_dir, f"http://127.0.0.1:{port}")
 
 
+def start_router_with_config(config: Path, log_dir: Path) -> Proc:
+    """Start pdgate's router from a YAML `--config` alone (e.g. a `models:` list, whose
+    models name their own tokenizers and engines). Does not wait."""
+    port = free_port()
+    argv = [sys.executable, "-m", "pdgate.router", "--config", str(config), "--port",
+            str(port), "--health-interval-s", "2", "--engine-api-key", ENGINE_KEY]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return _spawn("router", argv, env, log_dir, f"http://127.0.0.1:{port}")
+
+
 def wait_ready(procs: list[Proc], path: str, timeout: float) -> None:
     """Poll `GET {url}{path}` on every process until all answer 200. Raises with the logs
     when one exits or the deadline passes."""

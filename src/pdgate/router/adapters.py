@@ -68,13 +68,6 @@ class AdapterRegistry:
         self._held: dict[str, dict[str, str | None]] = {}  # url -> adapter -> its root
         self._loads: dict[tuple[str, str], asyncio.Task[None]] = {}
 
-    async def refresh(self, url: str) -> None:
-        """Read `url`'s `/v1/models` and learn its adapters (kept as they were when the
-        engine does not answer with a model list)."""
-        models = await self._engines.models(url)
-        if models is not None:
-            self.learn(url, models)
-
     def learn(self, url: str, models: ModelList) -> None:
         """`url` holds exactly the adapters `models` lists (entries with a `parent`)."""
         held = {card.id: card.root for card in models.data if card.parent is not None}

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from pdgate.router.adapters import AdapterNeed, ModelAdapters
 from pdgate.router.config import RouterConfig
+from pdgate.router.engine_cards import EngineCards
 from pdgate.router.errors import ModelNotFound
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.orchestrator import Orchestrator
@@ -34,6 +35,7 @@ class ServedModel:
     pool: EndpointPool
     orchestrator: Orchestrator
     adapters: ModelAdapters | None = None  # its LoRA adapters (None: enable_lora is off)
+    cards: EngineCards | None = None  # what its engines' /v1/models say (None: not read)
     # The first served name (how logs, metrics and `/ready` name the model) and the name the
     # engines know it by; worked out once here, not per request.
     name: str = field(init=False)
@@ -45,10 +47,24 @@ class ServedModel:
 
     @property
     def max_model_len(self) -> int | None:
-        """The context length: configured, else the tokenizer's (None: unknown)."""
+        """The context length: configured, else what its engines report, else the
+        tokenizer's (None: unknown)."""
+        if self.config.max_model_len:
+            return self.config.max_model_len
+        learned = None if self.cards is None else self.cards.max_model_len(
+            self._urls(), self.engine_model)
         tokenizer = self.orchestrator.tokenizer
-        return self.config.max_model_len or (
-            tokenizer.max_model_len if tokenizer is not None else None)
+        return learned or (tokenizer.max_model_len if tokenizer is not None else None)
+
+    @property
+    def root(self) -> str:
+        """Where the engines loaded the model from, as they report it (else the
+        configured model)."""
+        found = None if self.cards is None else self.cards.root(self._urls(), self.engine_model)
+        return found or self.config.model
+
+    def _urls(self) -> list[str]:
+        return list(dict.fromkeys(ep.url for ep in self.pool.all()))
 
     @property
     def metrics(self) -> RouterMetrics:

@@ -298,10 +298,11 @@ def install_routes(table: RouteTable, holder: StateHolder, drain: Drain | None =
 
     def model_card(served: ServedModel, name: str) -> dict[str, object]:
         # vLLM's fields too: `root` the model the engines load, `parent` None (not a LoRA),
-        # `max_model_len` the context length (None when the router knows none); `ready`:
-        # whether this model has a ready pair now.
+        # `max_model_len` the context length (None when the router knows none); both as
+        # the engines report them where they do. `ready`: whether this model has a ready
+        # pair now.
         return {"id": name, "object": "model", "created": holder.state.started_at,
-                "owned_by": "pdgate", "root": served.config.model, "parent": None,
+                "owned_by": "pdgate", "root": served.root, "parent": None,
                 "max_model_len": served.max_model_len, "ready": served.pool.ready()}
 
     def adapter_card(served: ServedModel, name: str) -> dict[str, object]:

@@ -30,6 +30,7 @@ from pdgate.router.config import RouterConfig
 from pdgate.router.config_checks import model_configs, validate_config
 from pdgate.router.discovery import KubernetesDiscovery
 from pdgate.router.dp_learn import open_dp_learning
+from pdgate.router.engine_cards import EngineCards
 from pdgate.router.engine_load import load_interval_s, open_load_polling
 from pdgate.router.engines.client import EngineClient
 from pdgate.router.errors import RouterError
@@ -172,11 +173,20 @@ async def _serving_state(
 
         adapters = AdapterRegistry(engines, load_timeout_s=config.lora_load_timeout_s) \
             if config.lora_on else None
+        cards = EngineCards()
 
         async def probe(ep: Endpoint) -> bool:
             ok = await engines.health(ep.url)
-            if ok and adapters is not None:  # which LoRA adapters it holds, kept fresh
-                await adapters.refresh(ep.url)
+            if not ok:
+                cards.forget(ep.url)
+            # Its models' cards once (router/engine_cards.py); with LoRA on, at each probe:
+            # which adapters it holds, kept fresh.
+            elif adapters is not None or not cards.knows(ep.url):
+                listed = await engines.models(ep.url)
+                if listed is not None:
+                    cards.learn(ep.url, listed)
+                    if adapters is not None:
+                        adapters.learn(ep.url, listed)
             return ok
 
         views = [metrics.for_model(m.config.served_names[0]) for m in models]
@@ -190,7 +200,8 @@ async def _serving_state(
         shared = FlowShared(config, registry, stack)
         served = []
         for m, pool, view in zip(models, pools, views, strict=True):
-            parts = _ModelParts(engines, view, aborter, shared, limits, probe, adapters)
+            parts = _ModelParts(engines, view, aborter, shared, limits, probe, adapters,
+                                cards)
             served.append(await _open_model(m, pool, parts, stack))
         table = ModelTable(served)
         first = table.default
@@ -217,6 +228,7 @@ class _ModelParts:
     limits: InputLimits
     probe: Callable[[Endpoint], Awaitable[bool]]
     adapters: AdapterRegistry | None  # LoRA adapters (None: enable_lora is off)
+    cards: EngineCards  # the engines' /v1/models cards
 
 
 async def _open_model(m: _ModelSetup, pool: EndpointPool, parts: _ModelParts,
@@ -252,7 +264,7 @@ async def _open_model(m: _ModelSetup, pool: EndpointPool, parts: _ModelParts,
     adapters = None if parts.adapters is None else ModelAdapters(
         parts.adapters, pool, parts.metrics, load_on_demand=config.load_on_demand,
         sources=parse_adapter_sources(config.lora_adapters))
-    return ServedModel(config, pool, orchestrator, adapters)
+    return ServedModel(config, pool, orchestrator, adapters, parts.cards)
 
 
 def _breaker_feed(pools: list[EndpointPool]) -> Callable[[str, RouterError | None], None]:

@@ -18,7 +18,11 @@ predicted ratio (`pdgate_decider_prediction_ratio`).
     python bench/decider.py [--burst 48] [--mixed 48] [--device cuda] [--json]
 
 All engines and the router share the machine's cores: compare the two deciders within one
-run, not across machines.
+run, not across machines. On a CPU machine the pools can be given cores of their own, as P
+and D pools have their own GPUs (the router and the load generator still share them):
+
+    python bench/decider.py --up-arg=--prefill-engine-arg=--cpus=0 \
+        --up-arg=--decode-engine-arg=--cpus=1
 """
 
 from __future__ import annotations

@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="HTTP listen address")
     p.add_argument("--port", type=int, default=8100, help="HTTP listen port")
     p.add_argument("--device", default="cpu", help="torch device: cpu, cuda or cuda:N")
+    p.add_argument("--cpus", type=_cpu_list, default=None, metavar="LIST",
+                   help="run on these CPU cores only, e.g. 0 or 2-3,6 (torch's threads: "
+                        "one per core): engines sharing a machine then do not compete "
+                        "for its cores (default: every core)")
     p.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default=None,
                    help="model and KV dtype (default: float32 on cpu, the checkpoint's on cuda)")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size in tokens")
@@ -224,6 +228,34 @@ def nixl_connector_factory(settings: ConnectorSettings) -> ConnectorFactory:
     return build
 
 
+def _cpu_list(text: str) -> set[int]:
+    """`0`, `2-3,6`: a set of core numbers (argparse type)."""
+    cores: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cores.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a CPU list: {text!r}") from None
+    if not cores or min(cores) < 0:
+        raise argparse.ArgumentTypeError(f"not a CPU list: {text!r}")
+    return cores
+
+
+def confine(cores: set[int]) -> None:
+    """Run this process on `cores` only: every thread it has now (the kernel's affinity is
+    per thread; threads started later inherit it), and torch's intra-op threads, one per
+    core."""
+    import torch
+
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:
+            pass  # the thread ended meanwhile
+    torch.set_num_threads(len(cores))
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model,
@@ -287,6 +319,11 @@ def main(argv: list[str] | None = None) -> int:
     except credentials.CredentialError as e:
         parser.error(str(e))
     setup_logging(args.log_level, args.log_format)
+    if args.cpus is not None:
+        try:
+            confine(args.cpus)
+        except OSError as e:  # a core this machine does not have
+            parser.error(f"--cpus: {e}")
     engine_id = args.engine_id or f"shim-{uuid.uuid4().hex[:12]}"
     try:
         tracing = open_tracing(args.otlp_traces_endpoint, engine_id, os.environ)

@@ -190,6 +190,24 @@ def test_stop_string_cuts_the_text(shim: Shim) -> None:
     assert "".join(e["choices"][0]["text"] for e in events[:-1]) == full[:8]
 
 
+def test_stop_strings_are_picked_and_cut_as_vllm_does(shim: Shim) -> None:
+    """vLLM's `check_stop_strings`: the match that ends first wins (not the one that
+    starts first); `include_stop_str_in_output` keeps it and holds no text back."""
+    full = complete(shim, "Numbers: 0 1 2", max_tokens=20)["choices"][0]["text"]
+    long, short = full[6:11], full[8:10]
+    assert full.find(long) == 6 and full.find(short) == 8, f"pick others in {full!r}"
+    for include, text in ((False, full[:8]), (True, full[:10])):
+        kw = {"max_tokens": 20, "stop": [long, short], "include_stop_str_in_output": include}
+        choice = complete(shim, "Numbers: 0 1 2", **kw)["choices"][0]
+        assert (choice["text"], choice["stop_reason"]) == (text, short)
+        events = stream_events(shim, "/v1/completions", {
+            "model": MODEL, "prompt": "Numbers: 0 1 2", "temperature": 0,
+            "ignore_eos": True, "stream": True, **kw})
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == text
+        if include:  # nothing held back: each token's text comes in its own chunk
+            assert len([e for e in events[:-1] if e["choices"][0]["text"]]) > 1
+
+
 def test_stop_token_ids_and_min_tokens(shim: Shim, tokenizer: Any, hf_greedy: Any) -> None:
     prompt_ids = tokenizer.encode("Hello")
     greedy = hf_greedy(prompt_ids, 6)

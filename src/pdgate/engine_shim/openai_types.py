@@ -69,6 +69,7 @@ class _Common(msgspec.Struct, kw_only=True):
     seed: int | None = None
     n: int = 1
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0

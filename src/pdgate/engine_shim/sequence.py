@@ -72,7 +72,8 @@ class GenerateRequest:
     """One generation job, already tokenized and validated by the HTTP layer.
 
     `max_tokens` >= 1 counts generated tokens (EOS included). `stop` strings end generation
-    and are cut from the text; `stop_token_ids` end it too. `min_tokens` suppresses EOS,
+    and are cut from the text (kept with `include_stop_str`, vLLM's
+    `include_stop_str_in_output`); `stop_token_ids` end it too. `min_tokens` suppresses EOS,
     stop ids and stop strings until that many tokens exist. `remote` holds the parsed
     `kv_transfer_params` of a DECODE-role request (opaque to the engine, given to the
     connector's `pull`); `pdgate` the checked keys of a notify/push leg (None: vLLM pull, or
@@ -89,6 +90,7 @@ class GenerateRequest:
     max_tokens: int
     min_tokens: int = 0
     stop: tuple[str, ...] = ()
+    include_stop_str: bool = False
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     role: KVRole = KVRole.NONE
@@ -226,8 +228,9 @@ class Sequence:
         self.token_ids.append(token_id)
         self._check_stop_token(token_id)
         if not self.finished:
+            checked = len(self._text)
             self._text += self.detok.push(token_id)
-            self._check_stop_strings()
+            self._check_stop_strings(checked)
         if not self.finished and (
             self.num_output >= self.req.max_tokens or len(self.token_ids) >= self.max_model_len
         ):
@@ -245,22 +248,27 @@ class Sequence:
         elif not self.req.ignore_eos and token_id in self.eos_ids:
             self.finish_reason = "stop"
 
-    def _check_stop_strings(self) -> None:
+    def _check_stop_strings(self, checked: int) -> None:
+        """vLLM's `check_stop_strings`: a match that ends after `checked` (the text before
+        it was checked on earlier tokens); the earliest-ending wins, ties by list order;
+        the text is cut at its start, or at its end when it is included."""
         if not self.req.stop or self.num_output < self.req.min_tokens:
             return
-        longest = max(len(s) for s in self.req.stop)
-        # Only the tail can hold a new match: text before it was checked on earlier tokens.
-        start = max(0, self._emitted - longest)
-        hits = [(i, s) for s in self.req.stop if (i := self._text.find(s, start)) >= 0]
-        if hits:
-            idx, stop = min(hits)
-            self._text = self._text[:idx]
+        best: tuple[int, int, str] | None = None
+        for stop in self.req.stop:
+            i = self._text.find(stop, max(0, checked - len(stop) + 1))
+            if i >= 0 and (best is None or i + len(stop) < best[1]):
+                best = (i, i + len(stop), stop)
+        if best is not None:
+            start, end, stop = best
+            self._text = self._text[:end if self.req.include_stop_str else start]
             self.finish_reason, self.stop_reason = "stop", stop
 
     def _emit(self) -> StepOutput | None:
         end = len(self._text)
-        if not self.finished and self.req.stop:
-            # Hold back a tail that may be the start of a stop string still being generated.
+        if not self.finished and self.req.stop and not self.req.include_stop_str:
+            # Hold back a tail that may be the start of a stop string still being generated
+            # (vLLM's `stop_buffer_length`: the longest stop string less one character).
             end -= max(len(s) for s in self.req.stop) - 1
         delta = self._text[self._emitted : end] if end > self._emitted else ""
         self._emitted = max(self._emitted, end)

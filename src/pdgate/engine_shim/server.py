@@ -266,6 +266,7 @@ def _generate_request(
         max_tokens=budget,
         min_tokens=req.min_tokens,
         stop=ot.stop_strings(req),
+        include_stop_str=req.include_stop_str_in_output,
         stop_token_ids=tuple(_check_token_ids(engine, req.stop_token_ids or [], "stop_token_ids")),
         ignore_eos=req.ignore_eos,
         role=role,

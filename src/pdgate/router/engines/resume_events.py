@@ -5,11 +5,12 @@ The decode legs of such a stream ask for `return_token_ids` on the router's beha
 (`ClientRequest.track_ids`); `ResumeEvents` takes the ids out of every chunk before the
 client sees it and keeps:
 - `ids`: the generated token ids the client's text comes from, in order;
-- `clean`: how many of them are covered by text already sent. An engine holds back the text
-  of a token that ends inside a multi-byte character (vLLM sends its ids with empty text;
-  the shim sends them with the text that completes the character), so the ids after
-  `clean` have no text at the client yet: the continuation does not keep them but
-  generates them again, and their text comes with it, whole;
+- `clean`: how many of them a continuation keeps (router/engines/resume_text.py: an engine
+  holds back the text of a token that ends inside a multi-byte character, and with stop
+  strings the last characters of the text, so the client's text does not end where its
+  tokens do): the continuation generates the rest again, and the text of it the client
+  already has is dropped; a stop string that spans the cut is found there and ends the
+  stream (`stopped`);
 - `untracked`: a chunk had text but no ids (an engine that ignores `return_token_ids`):
   the stream cannot migrate;
 - `failure`: the error event that ended the leg (the relay's, router/flows/common.py), held
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+
+from pdgate.router.engines.resume_text import StopRule, StreamText
 
 __all__ = ["Head", "ResumeEvents"]
 
@@ -71,15 +74,17 @@ def _chat_choice(c: dict[str, Any]) -> dict[str, Any]:
 
 class ResumeEvents:
     """Reads one client stream's events across its legs (see the module doc). `chat`: the
-    client asked for chat chunks; `wants_usage`: for the usage chunk."""
+    client asked for chat chunks; `wants_usage`: for the usage chunk; `stops`: the
+    request's stop strings."""
 
-    def __init__(self, chat: bool, wants_usage: bool) -> None:
+    def __init__(self, chat: bool, wants_usage: bool, stops: StopRule | None = None) -> None:
         self.chat = chat
         self.wants_usage = wants_usage
         self.ids: list[int] = []
-        self.clean = 0
+        self.text = StreamText(stops or StopRule())
         self.failure: bytes | None = None  # the error event, as the relay wrote it
         self.finished: str | None = None
+        self.stopped = False  # a stop string across the cut ended the stream here
         # A chunk had text but listed no ids (an engine without `return_token_ids`): what
         # the client has is then unknown in tokens, and the stream cannot migrate.
         self.untracked = False
@@ -92,6 +97,11 @@ class ResumeEvents:
         self._open_chat = False  # a chat continuation must first send the role delta
 
     @property
+    def clean(self) -> int:
+        """How many of `ids` a continuation would keep now."""
+        return self.text.cut.ids
+
+    @property
     def legs(self) -> int:
         """Legs the stream has had (1 + continuations)."""
         return self._leg + 1
@@ -99,6 +109,7 @@ class ResumeEvents:
     def continue_as(self, prompt_tokens: int) -> None:
         """A continuation takes over: its prompt kept `ids[:clean]` (the rest it generates
         again); its usage is billed with `prompt_tokens` (the client's prompt)."""
+        self.text.restart()
         del self.ids[self.clean:]
         self._leg += 1
         self._billed = self.clean
@@ -152,7 +163,7 @@ class ResumeEvents:
         if not event.startswith(_DATA):
             return event + b"\n\n"  # a comment or another SSE field: passed on
         payload = event[len(_DATA):]
-        if payload == b"[DONE]":
+        if payload == b"[DONE]" or self.stopped:
             return b""  # the migrating stream ends the client's stream itself
         obj = _decode(payload)
         if not isinstance(obj, dict):
@@ -171,21 +182,8 @@ class ResumeEvents:
         choices = obj.get("choices") or []
         listed = keep = False
         for c in choices:
-            ids = c.pop("token_ids", None)
-            c.pop("prompt_token_ids", None)
-            if ids:
-                self.ids.extend(ids)
-                listed = True
-            delta = c.get("delta")
-            text = c.get("text") if "text" in c else (
-                delta.get("content") if isinstance(delta, dict) else None)
-            if text:
-                self.clean = len(self.ids)
-                self.untracked = self.untracked or not ids
-            keep = keep or bool(text) or c.get("finish_reason") is not None or (
-                isinstance(delta, dict) and "role" in delta)
-            if c.get("finish_reason") is not None:
-                self.finished = c["finish_reason"]
+            ids, kept = self._choice(c)
+            listed, keep = listed or ids, keep or kept
         if self._leg:
             assert self.head is not None
             obj = self.head.rewrite(obj)
@@ -194,6 +192,32 @@ class ResumeEvents:
         if listed and not keep:
             return b""  # only there to list ids the client did not ask for
         return self._opening() + _DATA + _encode(obj) + b"\n\n"
+
+    def _choice(self, c: dict[str, Any]) -> tuple[bool, bool]:
+        """Reads one choice's ids and text and puts the client's text in place of the
+        engine's; (it listed ids, the client needs it)."""
+        ids = c.pop("token_ids", None) or []
+        c.pop("prompt_token_ids", None)
+        self.ids.extend(ids)
+        got = c.get("delta")
+        delta: dict[str, Any] = got if isinstance(got, dict) else {}
+        chat = "text" not in c and isinstance(got, dict)
+        text = (delta.get("content") if chat else c.get("text")) or ""
+        self.untracked = self.untracked or (bool(text) and not ids)
+        finish = c.get("finish_reason")
+        out = self.text.take(text, len(ids), len(self.ids), finish is not None)
+        if self.text.stop is not None:  # a stop string across the cut ends it here
+            finish = c["finish_reason"] = "stop"
+            c["stop_reason"] = self.text.stop
+            self.stopped = True
+        if chat:
+            if out or delta.get("content"):
+                delta["content"] = out
+        elif "text" in c or out:
+            c["text"] = out
+        if finish is not None:
+            self.finished = finish
+        return bool(ids), bool(out) or finish is not None or (chat and "role" in delta)
 
     def _opening(self) -> bytes:
         """A chat continuation whose client has no chunk yet opens with the role delta."""

@@ -38,7 +38,12 @@ from pdgate.router.dp_ranks import split_key
 from pdgate.router.engines.resume_events import ResumeEvents
 from pdgate.router.errors import RouterError
 from pdgate.router.flows.base import StreamResult
-from pdgate.router.flows.resume import continuation_body, declined, remaining_budget
+from pdgate.router.flows.resume import (
+    continuation_body,
+    declined,
+    remaining_budget,
+    stop_rule,
+)
 from pdgate.router.input.schema import ClientRequest, CompletionParams, StreamOptions
 from pdgate.router.policies import PickContext
 from pdgate.router.tracing import span
@@ -135,7 +140,8 @@ class MigratingStream:
         self._m = migrator
         self._req = req
         self._leg: StreamResult | None = first
-        self._events = ResumeEvents(req.kind == "chat", req.wants_usage_chunks)
+        self._events = ResumeEvents(req.kind == "chat", req.wants_usage_chunks,
+                                    stop_rule(req))
         self._count = 0
         self._record = request_context.current()
         self._served = req.served_by  # the open leg's engines
@@ -150,7 +156,8 @@ class MigratingStream:
         ev = self._events
         failed_at: float | None = None
         while self._leg is not None:
-            async for piece in self._leg.chunks:
+            leg = self._leg
+            async for piece in leg.chunks:
                 out = ev.feed(piece)
                 if out:
                     if failed_at is not None:
@@ -158,6 +165,12 @@ class MigratingStream:
                             time.perf_counter() - failed_at)
                         failed_at = None
                     yield out
+                if ev.stopped:
+                    break
+            if ev.stopped:  # at a stop string its engine did not see across the cut
+                await leg.chunks.aclose()
+                self.close()
+                break
             if ev.failure is None or ev.finished is not None:
                 break
             if ev.untracked:
@@ -167,8 +180,10 @@ class MigratingStream:
             self._note_failed_decode()
             if not await self._resume(failed_at):
                 break
-        if ev.failure is not None and ev.finished is not None and ev.wants_usage:
-            # The answer was whole; only its usage chunk was lost with the engine.
+        if ev.wants_usage and (ev.stopped or ev.failure is not None
+                               and ev.finished is not None):
+            # The answer was whole; its usage chunk was lost with the engine, or the leg
+            # was closed at a stop string it did not see.
             await self._prompt_ids()
             ev.bill_prompt(len(self._req.prompt_token_ids or ()))
             yield ev.usage_event()

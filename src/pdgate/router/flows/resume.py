@@ -1,6 +1,7 @@
 """What mid-stream migration needs to know about a request and its chunks, as pure functions:
 whether a stream may be continued elsewhere (`declined`), the continuation's body (a
-completion over the prompt's ids plus the tokens the client has) and its budget. How the
+completion over the prompt's ids plus the tokens the client has), its budget and the
+request's stop strings (`stop_rule`). How the
 continuation's chunks are made to read as the client's own stream is
 router/engines/resume_events.py (engine replies are parsed only in engines/).
 
@@ -12,21 +13,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from pdgate.router.engines.resume_text import StopRule
 from pdgate.router.flows.early import ASK_TOKEN_IDS, COMPLETIONS_DEFAULT_MAX_TOKENS
 from pdgate.router.input.schema import ClientRequest
 
-__all__ = ["continuation_body", "declined", "remaining_budget"]
+__all__ = ["continuation_body", "declined", "remaining_budget", "stop_rule"]
 
 # Body keys whose presence (non-null, non-empty, non-zero) makes a stream non-migratable,
 # by the reason counted in `pdgate_migrations_declined_total{reason}`:
-# - stop: the engine holds back text that may start a stop string, so the text the client
-#   has does not end where its tokens do, and a match may span the cut;
 # - logprobs: per-token data the continuation would report for a different prompt;
 # - structured: a grammar or tool parser whose state is not in the token ids;
 # - sampling: penalties and minimums computed over the output tokens, which the
 #   continuation sees as prompt.
 _DECLINE: tuple[tuple[str, frozenset[str]], ...] = (
-    ("stop", frozenset(("stop",))),
     ("logprobs", frozenset(("logprobs", "top_logprobs", "echo", "prompt_logprobs",
                             "suffix"))),
     ("structured", frozenset(("tools", "functions", "response_format", "guided_json",
@@ -37,7 +36,8 @@ _DECLINE: tuple[tuple[str, frozenset[str]], ...] = (
 )
 _UNSET: tuple[object, ...] = (None, False, [], {}, "", 0)
 # A chat request's fields that mean the same in a completion (the continuation is one).
-_CHAT_CARRY = ("model", "temperature", "top_p", "top_k", "min_p", "seed",
+_CHAT_CARRY = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+               "include_stop_str_in_output",
                "repetition_penalty", "stop_token_ids", "ignore_eos", "skip_special_tokens",
                "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "user")
 
@@ -51,6 +51,8 @@ def declined(req: ClientRequest, max_model_len: int | None) -> str | None:
         for key in body.keys() & keys:
             if body[key] not in _UNSET:
                 return reason
+    if stop_rule(req) is None:
+        return "stop"  # not strings (the engine refuses it before any byte anyway)
     if body.get(ASK_TOKEN_IDS):
         return "token_ids"  # the client reads ids the continuation would list again
     opts = body.get("stream_options")
@@ -59,6 +61,17 @@ def declined(req: ClientRequest, max_model_len: int | None) -> str | None:
     if req.kind == "chat" and req.max_tokens is None and max_model_len is None:
         return "no_budget"  # the continuation's budget would be the completions default
     return None
+
+
+def stop_rule(req: ClientRequest) -> StopRule | None:
+    """`req`'s stop strings as the engine reads them (vLLM: `stop`, a string or a list of
+    non-empty strings; `include_stop_str_in_output`), or None when they are not that."""
+    stop, include = req.body.get("stop"), req.body.get("include_stop_str_in_output")
+    strings = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if (not isinstance(strings, list) or not all(isinstance(s, str) and s for s in strings)
+            or include not in (None, True, False)):
+        return None
+    return StopRule(tuple(strings), bool(include))
 
 
 def remaining_budget(req: ClientRequest, kept: int, prompt_len: int,

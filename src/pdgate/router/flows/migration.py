@@ -168,6 +168,9 @@ class MigratingStream:
                 if ev.stopped:
                     break
             if ev.stopped:  # at a stop string its engine did not see across the cut
+                log.warning("request %s: stop string %r across the cut of continuation "
+                            "%d; the stream ends there", self._req.request_id,
+                            ev.text.stop, self._count)
                 await leg.chunks.aclose()
                 self.close()
                 break

@@ -296,6 +296,30 @@ def test_stop_strings_are_read_as_the_engine_reads_them(body: dict[str, Any],
     assert declined(_req({"max_tokens": 4, **body}), None) == (None if rule else "stop")
 
 
+@pytest.mark.parametrize(("body", "reason"), [
+    ({"stop": ["ab"], "temperature": 0}, None),
+    ({"stop": ["ab"], "temperature": 0.7}, "stop"),  # the held-back "a" would be resampled
+    ({"stop": ["ab"]}, "stop"),  # the engine's default temperature: sampling
+    ({"stop": ["ab"], "temperature": 0.7, "include_stop_str_in_output": True}, None),
+    ({"stop": ["a"], "temperature": 0.7}, None),  # one character: nothing held back
+    ({"temperature": 0.7}, None),
+])
+def test_only_greedy_streams_migrate_with_text_held_back(body: dict[str, Any],
+                                                         reason: str | None) -> None:
+    assert declined(_req(body), None) == reason
+
+
+def test_a_sampled_stream_keeps_every_token_the_client_has_text_of() -> None:
+    # Its continuation samples anew: the cut must leave nothing for it to regenerate that
+    # the client has, even after a chunk of two tokens.
+    ev = ResumeEvents(chat=False, wants_usage=False, exact=False)
+    ev.feed(sse(Chunk("ab", [ID0, ID0 + 1])) + sse(Chunk("", [ID0 + 2])) + ERROR)
+    assert (ev.clean, ev.text.sent) == (2, 2)
+    greedy = ResumeEvents(chat=False, wants_usage=False)
+    greedy.feed(sse(Chunk("ab", [ID0, ID0 + 1])) + ERROR)
+    assert greedy.clean == 0  # the second token might end inside a character
+
+
 def test_a_chat_continuation_carries_the_stop_strings() -> None:
     req = _req({"max_completion_tokens": 9, "stop": ["END"],
                 "include_stop_str_in_output": True}, chat=True)

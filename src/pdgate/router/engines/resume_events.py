@@ -75,13 +75,14 @@ def _chat_choice(c: dict[str, Any]) -> dict[str, Any]:
 class ResumeEvents:
     """Reads one client stream's events across its legs (see the module doc). `chat`: the
     client asked for chat chunks; `wants_usage`: for the usage chunk; `stops`: the
-    request's stop strings."""
+    request's stop strings; `exact`: greedy decoding (router/engines/resume_text.py)."""
 
-    def __init__(self, chat: bool, wants_usage: bool, stops: StopRule | None = None) -> None:
+    def __init__(self, chat: bool, wants_usage: bool, stops: StopRule | None = None, *,
+                 exact: bool = True) -> None:
         self.chat = chat
         self.wants_usage = wants_usage
         self.ids: list[int] = []
-        self.text = StreamText(stops or StopRule())
+        self.text = StreamText(stops or StopRule(), exact=exact)
         self.failure: bytes | None = None  # the error event, as the relay wrote it
         self.finished: str | None = None
         self.stopped = False  # a stop string across the cut ended the stream here

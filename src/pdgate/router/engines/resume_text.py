@@ -17,7 +17,11 @@ of every token so far is `hold` characters longer than what it has sent. Such a 
 The cut. A continuation keeps the tokens of the last mark whose text the client has whole
 (`pos <= sent`; none: the original prompt alone) and generates the rest again (greedy
 decoding gives the same tokens); the client already has the first `sent - pos` characters
-of its text, which are dropped.
+of its text, which are dropped. A chunk of several tokens with text (vLLM merges outputs
+when its reader lags) is no mark: its last token may end inside a character whose text is
+still held back. A sampled stream (not `exact`) takes marks there too: its continuation
+generates other tokens, so it must keep every token the client has text of (with no hold,
+all but a split character's; a sampled stream with a hold does not migrate, flows/resume.py).
 
 Stop strings across the cut. The continuation's engine checks stop strings in its own text
 only, which starts at the cut. With the hold, no match can span a cut the client has: the
@@ -70,10 +74,13 @@ class Mark:
 class StreamText:
     """One client stream's text across its legs (see the module doc). Per chunk of the
     current leg, `take` turns the engine's text into the client's; `restart` starts a
-    continuation at `cut`. Positions count characters of the whole answer."""
+    continuation at `cut`. Positions count characters of the whole answer. `exact`
+    (greedy decoding): a mark only after a chunk of one token; otherwise after any chunk
+    with text (see the module doc)."""
 
-    def __init__(self, rule: StopRule) -> None:
+    def __init__(self, rule: StopRule, *, exact: bool = True) -> None:
         self.rule = rule
+        self.exact = exact
         self.sent = 0  # characters the client has
         self.cut = Mark(0, 0)  # where a continuation would start now
         self.stop: str | None = None  # a match across a cut, found here
@@ -89,7 +96,7 @@ class StreamText:
         a finish_reason). Sets `stop` when a match across the cut ends the stream here."""
         start = self._engine
         self._engine += len(text)
-        if text and ids == 1 and not finished:
+        if text and not finished and (ids == 1 or not self.exact):
             self._pending.append(Mark(total_ids, self._engine + self.rule.hold))
         end = self._engine
         scan = self._scan

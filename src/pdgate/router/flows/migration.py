@@ -41,6 +41,7 @@ from pdgate.router.flows.base import StreamResult
 from pdgate.router.flows.resume import (
     continuation_body,
     declined,
+    greedy,
     remaining_budget,
     stop_rule,
 )
@@ -141,7 +142,7 @@ class MigratingStream:
         self._req = req
         self._leg: StreamResult | None = first
         self._events = ResumeEvents(req.kind == "chat", req.wants_usage_chunks,
-                                    stop_rule(req))
+                                    stop_rule(req), exact=greedy(req))
         self._count = 0
         self._record = request_context.current()
         self._served = req.served_by  # the open leg's engines

@@ -17,7 +17,7 @@ from pdgate.router.engines.resume_text import StopRule
 from pdgate.router.flows.early import ASK_TOKEN_IDS, COMPLETIONS_DEFAULT_MAX_TOKENS
 from pdgate.router.input.schema import ClientRequest
 
-__all__ = ["continuation_body", "declined", "remaining_budget", "stop_rule"]
+__all__ = ["continuation_body", "declined", "greedy", "remaining_budget", "stop_rule"]
 
 # Body keys whose presence (non-null, non-empty, non-zero) makes a stream non-migratable,
 # by the reason counted in `pdgate_migrations_declined_total{reason}`:
@@ -51,8 +51,13 @@ def declined(req: ClientRequest, max_model_len: int | None) -> str | None:
         for key in body.keys() & keys:
             if body[key] not in _UNSET:
                 return reason
-    if stop_rule(req) is None:
+    rule = stop_rule(req)
+    if rule is None:
         return "stop"  # not strings (the engine refuses it before any byte anyway)
+    if rule.hold and not greedy(req):
+        # The continuation generates the held-back text again, which the client has in
+        # part: only greedy decoding is sure to generate the same.
+        return "stop"
     if body.get(ASK_TOKEN_IDS):
         return "token_ids"  # the client reads ids the continuation would list again
     opts = body.get("stream_options")
@@ -61,6 +66,12 @@ def declined(req: ClientRequest, max_model_len: int | None) -> str | None:
     if req.kind == "chat" and req.max_tokens is None and max_model_len is None:
         return "no_budget"  # the continuation's budget would be the completions default
     return None
+
+
+def greedy(req: ClientRequest) -> bool:
+    """`req` decodes greedily (vLLM: a temperature below 1e-5)."""
+    t = req.body.get("temperature")
+    return isinstance(t, int | float) and not isinstance(t, bool) and t < 1e-5
 
 
 def stop_rule(req: ClientRequest) -> StopRule | None:

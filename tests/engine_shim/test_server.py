@@ -295,6 +295,8 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
      _err("guided_regex is not supported by the engine shim", "guided_regex")),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400,
      _err("messages must be a non-empty list", "messages")),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "priority": "high"}, 400,
+     _err("Expected `int`, got `str` - at `$.priority`", "priority")),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400,
      _err("Object missing required field `role` - at `$.messages[0]`", "messages")),
 ])
@@ -308,10 +310,12 @@ def test_bad_input_gets_an_openai_error(
 
 def test_fields_that_ask_for_nothing_are_served(shim: Shim) -> None:
     """`tool_choice: "none"`, `response_format` text and empty tool lists ask for plain
-    text, which the shim gives: the same as without them."""
+    text, which the shim gives: the same as without them. vLLM's `priority` is accepted
+    (the router forwards it with --forward-priority) and changes nothing."""
     plain = complete(shim, "Hello")
     for extra in ({"tool_choice": "none"}, {"response_format": {"type": "text"}},
-                  {"tools": [], "structured_outputs": None}):
+                  {"tools": [], "structured_outputs": None},
+                  {"priority": -5}, {"priority": 7}):  # accepted, not honoured (FIFO)
         assert complete(shim, "Hello", **extra)["choices"] == plain["choices"], extra
 
 

@@ -60,7 +60,7 @@ def test_router_latency_histograms_cover_long_requests_and_count_the_queue(
             frozenset({route, ("le", "3600.0")})) in got
     # Every served request passed admission: two of them found a free slot at once.
     admitted = got[("pdgate_admission_wait_seconds_count",
-                    frozenset({("outcome", "admitted")}))]
+                    frozenset({("outcome", "admitted"), ("priority_class", "normal")}))]
     assert admitted >= 2
     assert got[("pdgate_ttft_seconds_count", frozenset({("mode", "notify")}))] >= 2
 

@@ -105,3 +105,118 @@ async def test_streaming_request_holds_its_slot_until_the_stream_ends(
         assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]")
         assert "t29" in resp.text
     await eventually(lambda: router.metric("pdgate_admission_active") == 0, "all released")
+
+
+# ---- the fair queue: who is admitted next, on recorded arrivals ----
+
+Arrival = tuple[str, int, str]  # (name, priority, flow)
+
+
+async def admitted_order(arrivals: list[Arrival], order: str = "fair",
+                         adm: Admission | None = None) -> list[str]:
+    """Queue `arrivals` in this order behind one held slot, then free it: each admitted
+    request notes its name and hands the slot on at once. The order of names is the
+    order the queue chose (no timing: every request is queued before the first leaves)."""
+    if adm is None:
+        adm = Admission(max_concurrent=1, max_queued=len(arrivals), queue_timeout_s=60,
+                        order=order)  # type: ignore[arg-type]
+    held = await adm.acquire()
+    admitted: list[str] = []
+
+    async def one(name: str, priority: int, flow: str) -> None:
+        slot = await adm.acquire(priority, flow)
+        admitted.append(name)
+        slot.release()
+
+    tasks = []
+    for name, priority, flow in arrivals:
+        tasks.append(asyncio.create_task(one(name, priority, flow)))
+        await asyncio.sleep(0)  # queued before the next arrives
+    assert adm.queued == len(arrivals)
+    held.release()
+    await asyncio.gather(*tasks)
+    assert (adm.active, adm.queued) == (0, 0)
+    return admitted
+
+
+FLOOD = [(f"f{i}", 0, "flood") for i in range(6)]
+
+
+async def test_fifo_admits_in_arrival_order_whatever_the_key_and_priority() -> None:
+    arrivals = [*FLOOD, ("i0", -5, "interactive"), ("i1", 0, "interactive")]
+    assert await admitted_order(arrivals, "fifo") == [name for name, _, _ in arrivals]
+
+
+async def test_fair_queue_lets_a_key_in_between_a_flooding_key() -> None:
+    # Six from the flooding key, then two from another key at the same priority: the
+    # second key waits behind one flood request each time, not behind all six.
+    arrivals = [*FLOOD, ("i0", 0, "interactive"), ("i1", 0, "interactive")]
+    assert await admitted_order(arrivals) == ["f0", "i0", "f1", "i1", "f2", "f3", "f4", "f5"]
+
+
+async def test_a_lower_priority_gets_twice_the_slots_of_the_next() -> None:
+    # Same key, priorities 0 and 1: start tags 0,1,2,.. against 0,2,4,.. (ties: arrival).
+    arrivals = [*FLOOD, ("b0", 1, "flood"), ("b1", 1, "flood"), ("b2", 1, "flood")]
+    assert await admitted_order(arrivals) == [
+        "f0", "b0", "f1", "f2", "b1", "f3", "f4", "b2", "f5"]
+
+
+async def test_a_high_priority_flow_gets_its_share_first_and_nobody_starves() -> None:
+    # Priority -1 weighs 2 (tags 0, .5, 1, ...); priority 10, the lowest class, still gets
+    # its first request in at its start tag, and its second only after 1024 steps of others.
+    arrivals = [*FLOOD[:4], ("h0", -1, "k"), ("h1", -1, "k"), ("h2", -1, "k"),
+                ("low0", 10, "k"), ("low1", 10, "k")]
+    assert await admitted_order(arrivals) == [
+        "f0", "h0", "low0", "h1", "f1", "h2", "f2", "f3", "low1"]
+
+
+async def test_priorities_beyond_the_bound_weigh_as_the_bound() -> None:
+    # 10 and 10**6 are one class (one flow of the key): arrival order between them.
+    arrivals = [("a", 10**6, "k"), ("b", 10, "k"), ("c", 10**6, "k")]
+    assert await admitted_order(arrivals) == ["a", "b", "c"]
+
+
+async def test_a_cancelled_waiter_leaves_the_fair_order_intact() -> None:
+    adm = Admission(max_concurrent=1, max_queued=10, queue_timeout_s=60)
+    held = await adm.acquire()
+    admitted: list[str] = []
+
+    async def one(name: str, flow: str) -> None:
+        slot = await adm.acquire(0, flow)
+        admitted.append(name)
+        slot.release()
+
+    tasks = {}
+    for name, flow in (("a0", "a"), ("a1", "a"), ("a2", "a"), ("b0", "b"), ("b1", "b")):
+        tasks[name] = asyncio.create_task(one(name, flow))
+        await asyncio.sleep(0)
+    tasks["b0"].cancel()
+    await asyncio.sleep(0)
+    assert adm.queued == 4
+    held.release()
+    await asyncio.gather(*(t for n, t in tasks.items() if n != "b0"))
+    assert admitted == ["a0", "a1", "b1", "a2"]  # b1 keeps the tag it arrived with
+    assert (adm.active, adm.queued) == (0, 0)
+
+
+async def test_an_emptied_queue_starts_every_flow_afresh() -> None:
+    adm = Admission(max_concurrent=1, max_queued=10, queue_timeout_s=60)
+    # A first busy period where the flood key queued far ahead of V...
+    assert await admitted_order(FLOOD, adm=adm) == [n for n, _, _ in FLOOD]
+    # ...is forgotten: in the next one its first request ties with anyone's first.
+    arrivals = [*FLOOD[:3], ("i0", 0, "other")]
+    assert await admitted_order(arrivals, adm=adm) == ["f0", "i0", "f1", "f2"]
+
+
+async def test_check_room_refuses_before_any_work_only_when_full() -> None:
+    adm = Admission(max_concurrent=1, max_queued=1, queue_timeout_s=60)
+    adm.check_room()  # a free slot
+    held = await adm.acquire()
+    adm.check_room()  # room in the queue
+    waiter = asyncio.create_task(adm.acquire())
+    await eventually(lambda: adm.queued == 1, "queued")
+    with pytest.raises(Overloaded) as info:
+        adm.check_room()
+    assert info.value.reason == "queue_full"
+    held.release()
+    (await waiter).release()

@@ -64,14 +64,17 @@ async def test_admission_reports_queue_waits_by_outcome(metrics: RouterMetrics) 
     first = await admission.acquire()  # a free slot: waited 0
     with pytest.raises(Overloaded):
         await admission.acquire()  # queued, nobody released: timed out
-    queued = asyncio.ensure_future(admission.acquire())
+    queued = asyncio.ensure_future(admission.acquire(priority=-3))
     await asyncio.sleep(0)
     first.release()
     (await queued).release()
     count = "pdgate_admission_wait_seconds_count"
-    assert value(metrics, count, outcome="admitted") == 2
-    assert value(metrics, count, outcome="timeout") == 1
-    assert (value(metrics, "pdgate_admission_wait_seconds_sum", outcome="timeout") or 0) >= 0.05
+    normal, high = {"priority_class": "normal"}, {"priority_class": "high"}
+    assert value(metrics, count, outcome="admitted", **normal) == 1
+    assert value(metrics, count, outcome="admitted", **high) == 1  # by priority class
+    assert value(metrics, count, outcome="timeout", **normal) == 1
+    assert (value(metrics, "pdgate_admission_wait_seconds_sum", outcome="timeout",
+                  **normal) or 0) >= 0.05
 
 
 def test_scrape_has_no_created_series(metrics: RouterMetrics) -> None:

@@ -14,7 +14,7 @@ import binascii
 import hmac
 from collections.abc import Sequence
 
-__all__ = ["any_key_matches", "bearer_matches"]
+__all__ = ["any_key_matches", "bearer_credential", "bearer_matches"]
 
 
 def bearer_matches(authorization: bytes | None, key: bytes) -> bool:
@@ -34,6 +34,12 @@ def any_key_matches(
     for key in keys:
         matched |= hmac.compare_digest(token, key)
     return matched
+
+
+def bearer_credential(authorization: bytes | None) -> bytes | None:
+    """The key an `Authorization: Bearer <key>` header value carries (None: no Bearer
+    credential). Compares nothing: for finding the settings of a key already accepted."""
+    return _credential(authorization, False)
 
 
 def _credential(authorization: bytes | None, basic: bool) -> bytes | None:

@@ -82,6 +82,10 @@ class _Common(msgspec.Struct, kw_only=True):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     user: str | None = None
+    # vLLM's request priority (lower is earlier; the router sends it with
+    # --forward-priority): accepted and checked to be an integer, not honoured: the shim's
+    # scheduler admits in arrival order (engine_shim/scheduler.py).
+    priority: int = 0
     # vLLM's extension: the reply's choice also lists `prompt_token_ids` and `token_ids`
     # (the router's pull flow uses them to stream P's first token early); a stream's
     # chunks list the ids each one's text comes from (the router's mid-stream migration),

@@ -172,11 +172,25 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("max_queued_requests", int, "requests waiting for a slot; beyond that: 429 with "
                                  "Retry-After (0: no queue)"),
     ("queue_timeout_s", float, "seconds a queued request waits for a slot before its 429"),
+    ("admission_order", str, "which queued request gets the next slot: fair (weighted fair "
+                             "queuing over client keys and priorities: a lower priority "
+                             "gets twice the share per step) or fifo (arrival order)"),
+    ("forward_priority", bool, "send each request's priority (body `priority`, header "
+                               "X-Request-Priority, client_keys) to the engines as "
+                               "`priority` on both legs: only for engines run with "
+                               "--scheduling-policy priority (vLLM); off: the router "
+                               "orders its queue by it and removes it from the legs"),
     ("api_key", str, "Bearer key required on /v1/* (default: open). Prefer env "
                      "PDGATE_API_KEY or PDGATE_API_KEY_FILE (flags show in ps). /health, "
                      "/ready and /metrics stay open"),
     ("api_keys", list, "another accepted client key (repeatable; env PDGATE_API_KEYS, "
                        "comma-separated)"),
+    ("client_keys", "json", "client keys with settings of their own: a JSON list of "
+                            "{key, name, priority, tokens_per_minute} objects (each key is "
+                            "accepted like --api-keys; priority: the earliest its requests "
+                            "may ask; tokens_per_minute: a sliding-window quota). Prefer "
+                            "env PDGATE_CLIENT_KEYS_FILE or the --config YAML (flags show "
+                            "in ps)"),
     ("cors_allowed_origins", list, "browser origins allowed by CORS (space-separated; "
                                    "`*`: any): preflight OPTIONS answered, CORS headers on "
                                    "responses (default: no CORS headers)"),
@@ -251,13 +265,14 @@ _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                "kv_ready_timeout_s", "notify_bind", "notify_advertise_host", "notify_secret",
                "notify_ttl_s", "notify_reap_interval_s")),
     ("limits", ("max_concurrent_requests", "max_queued_requests", "queue_timeout_s",
+                "admission_order", "forward_priority",
                 "max_body_bytes", "max_json_depth", "max_messages", "tokenize_prompts",
                 "allow_client_chat_template", "chat_template_timeout_s",
                 "chat_template_max_output_chars", "header_timeout_s",
                 "max_pending_connections", "body_timeout_s",
                 "body_chunk_timeout_s", "stream_write_timeout_s", "max_engine_reply_bytes",
                 "max_sse_line_bytes")),
-    ("security", ("api_key", "api_keys", "admin_api_key", "engine_api_key",
+    ("security", ("api_key", "api_keys", "client_keys", "admin_api_key", "engine_api_key",
                   "cors_allowed_origins")),
     ("observability", ("log_level", "log_format", "otlp_traces_endpoint",
                        "request_id_headers")),
@@ -343,7 +358,7 @@ def _json_list(value: str) -> list[Any]:
     except msgspec.DecodeError as exc:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
     if not isinstance(found, list):
-        raise argparse.ArgumentTypeError("expected a JSON list of model objects")
+        raise argparse.ArgumentTypeError("expected a JSON list of objects")
     return found
 
 

@@ -19,6 +19,7 @@ from pdgate.router.engine_urls import engine_url_problem
 __all__ = [
     "REQUEST_ID_HEADERS",
     "MODEL_LABEL",
+    "ClientKey",
     "ROLE_LABEL",
     "ConfigError",
     "ModelConfig",
@@ -44,6 +45,22 @@ class PolicySpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     type: str
     name: str | None = None
     params: dict[str, Any] = {}
+
+
+class ClientKey(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
+    """One client API key with its own settings (`client_keys:`; docs/configuration.md).
+
+    `key`: the Bearer key (a secret: accepted on /v1/* like `api_keys`, never logged or
+    exported); `name`: how logs, metrics and the fair queue know it. `priority`: the
+    earliest priority (vLLM's meaning, lower is earlier) its requests may have, and theirs
+    when they ask none (router/priority.py). `tokens_per_minute`: its quota of prompt plus
+    completion tokens over any 60 s (router/quotas.py; None: no quota).
+    """
+
+    key: str
+    name: str
+    priority: int = 0
+    tokens_per_minute: int | None = None
 
 
 PdMode = Literal["pull", "notify", "push", "colocated"]
@@ -87,6 +104,7 @@ class ModelConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_on
     early_first_token: bool | msgspec.UnsetType = msgspec.UNSET
     kv_events: list[str] | msgspec.UnsetType = msgspec.UNSET
     prefix_block_size: int | msgspec.UnsetType = msgspec.UNSET
+    forward_priority: bool | msgspec.UnsetType = msgspec.UNSET
 
 
 class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_only=True):
@@ -204,6 +222,16 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     max_concurrent_requests: int = 1024
     max_queued_requests: int = 1024
     queue_timeout_s: float = 30.0
+    # Which queued request is admitted next (router/admission.py): "fair" (weighted fair
+    # queuing over client keys and priorities) or "fifo" (arrival order).
+    admission_order: Literal["fair", "fifo"] = "fair"
+    # Send each request's priority (router/priority.py) to the engines as vLLM's
+    # `priority` on both legs: only for engines run with `--scheduling-policy priority`
+    # (vLLM refuses a priority other than 0 otherwise). False: the router orders its own
+    # admission by it and removes the field from the legs.
+    forward_priority: bool = False
+    # Client keys with settings of their own: name, priority, token quota (ClientKey).
+    client_keys: list[ClientKey] = []
     api_key: str | None = None
     api_keys: list[str] = []
     # Browser origins allowed by CORS (`*`: any); empty: no CORS headers (router/http/app.py).
@@ -270,9 +298,11 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
 
     @property
     def client_api_keys(self) -> list[str]:
-        """Every key accepted on `/v1/*`: `api_key` plus `api_keys` (empty: open)."""
+        """Every key accepted on `/v1/*`: `api_key`, `api_keys` and the keys of
+        `client_keys` (empty: open)."""
         keys = [self.api_key] if self.api_key else []
-        return keys + [k for k in self.api_keys if k not in keys]
+        keys += [k for k in self.api_keys if k not in keys]
+        return keys + [c.key for c in self.client_keys if c.key not in keys]
 
     @property
     def tokenizer_source(self) -> str:

@@ -11,6 +11,7 @@ import msgspec
 
 from pdgate.router.config import MODEL_LABEL, ROLE_LABEL, ConfigError, RouterConfig
 from pdgate.router.engine_urls import engine_url_problem
+from pdgate.router.priority import PRIORITY_MAX, PRIORITY_MIN
 
 __all__ = ["model_configs", "validate_config"]
 
@@ -161,6 +162,7 @@ def _validate_resilience(config: RouterConfig) -> None:
     for key in config.api_keys:
         if len(key) < 8:
             raise ConfigError("api_keys: use at least 8 characters per key")
+    _validate_client_keys(config)
     for origin in config.cors_allowed_origins:
         if origin != "*" and not _ORIGIN.fullmatch(origin):
             raise ConfigError(f"cors_allowed_origins: {origin!r} is not an origin "
@@ -168,6 +170,30 @@ def _validate_resilience(config: RouterConfig) -> None:
     for name in config.request_id_headers:
         if not _HEADER_NAME.fullmatch(name):
             raise ConfigError(f"request_id_headers: {name!r} is not a header name")
+
+
+def _validate_client_keys(config: RouterConfig) -> None:
+    # Messages name an entry by its index and name, never by its key (a secret).
+    names: set[str] = set()
+    keys: set[str] = {config.api_key or "", *config.api_keys}
+    for i, entry in enumerate(config.client_keys):
+        where = f"client_keys[{i}]"
+        if len(entry.key) < 8:
+            raise ConfigError(f"{where}: key: use at least 8 characters")
+        if entry.key in keys or entry.key == config.admin_api_key:
+            raise ConfigError(f"{where} ({entry.name}): key: the same key is given twice "
+                              "(in api_key, api_keys, admin_api_key or client_keys)")
+        keys.add(entry.key)
+        if not _LABEL_VALUE.fullmatch(entry.name) or entry.name in names:
+            raise ConfigError(f"{where}: name: {entry.name!r} must be unique, 1-63 of "
+                              "A-Z a-z 0-9 - _ . (it labels metrics)")
+        names.add(entry.name)
+        if not PRIORITY_MIN <= entry.priority <= PRIORITY_MAX:
+            raise ConfigError(f"{where} ({entry.name}): priority: must be in "
+                              f"{PRIORITY_MIN}..{PRIORITY_MAX}")
+        if entry.tokens_per_minute is not None and entry.tokens_per_minute <= 0:
+            raise ConfigError(f"{where} ({entry.name}): tokens_per_minute: must be > 0 "
+                              "(leave it out for no quota)")
 
 
 def _validate_notify(config: RouterConfig) -> None:

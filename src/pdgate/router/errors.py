@@ -15,6 +15,8 @@ exceptions at their edge (the engine client in `router/engines/error_map.py`, ms
     ├── RequestTimeout               408 BadRequestError / request_timeout  (slow body)
     ├── Unauthorized                 401 AuthenticationError / invalid_api_key
     ├── Overloaded                   429 RateLimitError / overloaded  (+ Retry-After)
+    │   └── QuotaExceeded            429 ... rate_limit_exceeded  (the key's tokens per
+    │                                    minute are used up; + Retry-After)
     ├── NoEndpointAvailable          503 ServiceUnavailableError / no_endpoint_available
     │   ├── AdapterUnavailable       503 ... adapter_unavailable  (no engine of a role
     │   │                                holds the LoRA adapter, none may be loaded)
@@ -89,6 +91,7 @@ __all__ = [
     "NoEndpointAvailable",
     "Overloaded",
     "PayloadTooLarge",
+    "QuotaExceeded",
     "RequestTimeout",
     "RouteNotFound",
     "RouterError",
@@ -187,7 +190,17 @@ class Overloaded(RouterError):
                  reason: str = "queue_full") -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
-        self.reason = reason  # queue_full | queue_timeout (the rejection metric's label)
+        self.reason = reason  # queue_full | queue_timeout | quota (the rejection metric's label)
+
+
+class QuotaExceeded(Overloaded):
+    """The request's client key used its `tokens_per_minute` in the last 60 s (429;
+    router/quotas.py). `retry_after_s`: seconds until the window is under the quota."""
+
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message, retry_after_s=retry_after_s, reason="quota")
 
 
 class NoEndpointAvailable(RouterError):

@@ -27,6 +27,7 @@ from prometheus_client import CollectorRegistry
 
 from pdgate.common.metrics_registry import NoCreatedRegistry, register_process_series
 from pdgate.router import __version__, request_context
+from pdgate.router.admission import priority_label
 from pdgate.router.fast_metrics import (
     CounterChild,
     FastCounter,
@@ -106,7 +107,9 @@ class RouterMetrics:
     requests: FastCounter  # route, status
     request_duration: FastHistogram  # route: arrival -> last byte sent
     ttft: FastHistogram  # mode: arrival at the router -> first decode byte (see observe_ttft)
-    admission_wait: FastHistogram  # outcome (admitted | timeout | cancelled): time in the queue
+    # outcome (admitted | timeout | cancelled), priority_class (high | normal | low): time
+    # in the queue
+    admission_wait: FastHistogram
     prompt_tokens: FastCounter  # model: prompt tokens of served requests (from usage)
     generation_tokens: FastCounter  # model: completion tokens of served requests (from usage)
     inter_token_latency: FastHistogram  # gap between streamed chunks from decode
@@ -132,7 +135,7 @@ class RouterMetrics:
     kv_event_gaps: FastCounter  # engine: sequence gaps (lost KV-event messages)
     admission_active: FastGauge  # requests holding an admission slot
     admission_queued: FastGauge  # requests waiting for a slot
-    admission_rejected: FastCounter  # reason (queue_full | queue_timeout)
+    admission_rejected: FastCounter  # reason (queue_full | queue_timeout | quota)
     kv_aborts: FastCounter  # result (ok | unsupported | failed): P asked to free a request's KV
     lora_loads: FastCounter  # result (ok | failed): LoRA adapter loads the router asked for
     breaker_opened: FastCounter  # role: circuit breakers opened (engines ejected)
@@ -235,10 +238,10 @@ class RouterMetrics:
         if record is not None:
             record.fallback = reason
 
-    def observe_admission_wait(self, outcome: str, seconds: float) -> None:
-        """Record how long one request waited for an admission slot (0 when one was free);
-        also noted on the request's access line and span."""
-        self.child(self.admission_wait, outcome).observe(seconds)
+    def observe_admission_wait(self, outcome: str, seconds: float, priority: int = 0) -> None:
+        """Record how long one request of `priority` waited for an admission slot (0 when
+        one was free); also noted on the request's access line and span."""
+        self.child(self.admission_wait, outcome, priority_label(priority)).observe(seconds)
         record = request_context.current()
         if record is not None:
             record.admission_wait_s = seconds
@@ -279,7 +282,8 @@ class RouterMetrics:
             ),
             admission_wait=FastHistogram(
                 "pdgate_admission_wait_seconds",
-                "Time a request waited for an admission slot, by outcome", ["outcome"],
+                "Time a request waited for an admission slot, by outcome and priority class",
+                ["outcome", "priority_class"],
                 buckets=_QUEUE_BUCKETS, registry=r,
             ),
             prompt_tokens=FastCounter(

@@ -7,7 +7,7 @@ secret never has to sit in the pod spec or in `ps` output. Precedence, later win
 defaults < `--config` YAML < environment < command-line flags.
 
 Values are strings: list fields are comma-separated (`PDGATE_API_KEYS=k1,k2`) except `models`
-(`PDGATE_MODELS`: a JSON list of model objects), booleans are
+and `client_keys` (`PDGATE_MODELS`, `PDGATE_CLIENT_KEYS`: JSON lists of objects), booleans are
 `true/false/1/0/yes/no/on/off`, numbers are parsed by the config decoder, and a policy may be
 a name or a JSON object (`{"type": "prefix-aware", "params": {...}}`). An empty variable is
 ignored, so a chart can render a variable unconditionally.
@@ -27,8 +27,9 @@ __all__ = ["ENV_PREFIX", "SECRET_FIELDS", "env_name", "env_overrides", "env_refe
 
 ENV_PREFIX = "PDGATE_"
 SECRET_FIELDS = frozenset(
-    {"api_key", "api_keys", "admin_api_key", "engine_api_key", "notify_secret"}
+    {"api_key", "api_keys", "admin_api_key", "engine_api_key", "notify_secret", "client_keys"}
 )
+_JSON_LISTS = {"models": "models", "client_keys": "client key objects"}
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -80,11 +81,13 @@ def _read_secret_file(var: str, path: str) -> str | None:
 
 def _convert(field: str, typ: Any, raw: str) -> Any:
     origin = getattr(typ, "__origin__", None)
-    if field == "models":  # a list of objects: JSON (a chart renders it with toJson)
+    if field in _JSON_LISTS:  # lists of objects: JSON (a chart renders them with toJson)
         try:
             return msgspec.json.decode(raw)
         except msgspec.DecodeError as exc:
-            raise ConfigError(f"{env_name(field)}: invalid JSON list of models: {exc}") from None
+            # Not the text: client_keys hold secrets.
+            raise ConfigError(f"{env_name(field)}: invalid JSON list of "
+                              f"{_JSON_LISTS[field]}: {exc}") from None
     if origin is list:
         return [item.strip() for item in raw.split(",") if item.strip()]
     if typ is bool:

@@ -39,7 +39,8 @@ _UNSET: tuple[object, ...] = (None, False, [], {}, "", 0)
 _CHAT_CARRY = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
                "include_stop_str_in_output",
                "repetition_penalty", "stop_token_ids", "ignore_eos", "skip_special_tokens",
-               "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "user")
+               "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "user",
+               "priority")
 
 
 def declined(req: ClientRequest, max_model_len: int | None) -> str | None:

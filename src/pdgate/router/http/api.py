@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from pdgate.router import request_context
-from pdgate.router.admission import Admission
+from pdgate.router.admission import Admission, Slot
 from pdgate.router.config import RouterConfig
 from pdgate.router.errors import ModelNotFound, Overloaded, RouterError, error_json
 from pdgate.router.http.client_deadlines import header_value, read_body_within
@@ -35,6 +35,14 @@ from pdgate.router.input.schema import ClientRequest, classify_prompt, parse_cha
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.orchestrator import Orchestrator, StreamResult
 from pdgate.router.pool import EndpointPool
+from pdgate.router.priority import (
+    ClientKeys,
+    KeySettings,
+    apply_priority,
+    priority_header,
+    request_priority,
+)
+from pdgate.router.quotas import TokenQuotas
 from pdgate.router.request_ids import InternalIds, client_request_id
 from pdgate.router.served_models import ModelTable, ServedModel
 from pdgate.router.tracing import span
@@ -73,6 +81,8 @@ class RouterState:
     models: ModelTable  # every served model, by served name
     admission: Admission | None = None  # None: no admission control (tests, benches)
     limits: InputLimits = field(default_factory=InputLimits)  # request parsing bounds
+    keys: ClientKeys = field(default_factory=lambda: ClientKeys(RouterConfig()))
+    quotas: TokenQuotas = field(default_factory=TokenQuotas)  # per-key token windows
 
 
 class StateHolder:
@@ -174,44 +184,50 @@ def _completion_handler(
         t0 = time.perf_counter()
         ids = _Ids(internal_ids.new(), client_id(request.scope, st.config.request_id_headers))
         request_context.bind_ids(ids.internal, ids.client)  # for log lines and access line
+        record = request_context.current()
         cfg = st.config
-        try:
-            # The body first, under its deadlines: a client trickling its upload must not
-            # hold an admission slot (those are for work the engines do).
-            raw = await read_body_within(request, cfg.max_body_bytes, cfg.body_timeout_s,
-                                         cfg.body_chunk_timeout_s)
-            slot = None
-            if st.admission:
-                with span("admission_wait"):
-                    slot = await st.admission.acquire()
-        except RouterError as exc:
-            if isinstance(exc, Overloaded):
-                st.metrics.child(st.metrics.admission_rejected, exc.reason).inc()
-            _count(st.metrics, route, exc.status, t0)
-            return error_response(exc, ids.echo)
-        except ClientDisconnect:  # left mid-upload: an ordinary event, not a bug to log
-            _count(st.metrics, route, 499, t0)
-            return Response(b"", 499)
-        response = await serve(request, raw, st, t0, ids)
-        if slot is not None:
-            if isinstance(response, RelayResponse):
-                response.on_close(slot.release)
-            else:
-                slot.release()
-        return response
-
-    async def serve(
-        request: Request, raw: bytes, st: RouterState, t0: float, ids: _Ids
-    ) -> Response:
         m = st.metrics  # the router's view until the request's model is known
         try:
+            # The body first, under its deadlines: a client trickling its upload must not
+            # hold an admission slot (those are for work the engines do). It is parsed
+            # before admission, which orders the queue by the priority it asks.
+            raw = await read_body_within(request, cfg.max_body_bytes, cfg.body_timeout_s,
+                                         cfg.body_chunk_timeout_s)
+            if st.admission is not None:
+                st.admission.check_room()  # a full queue refuses before any parsing
+            key = st.keys.of(request.scope)
+            st.quotas.check(key)
             args = (kind, raw, request, ids.internal, st.models, ids.client, st.limits)
             # A megabyte body takes msgspec tens of ms to decode: not on the event loop.
             req, served = build_request(*args) if len(raw) <= _INLINE_PARSE_BYTES else \
                 await anyio.to_thread.run_sync(build_request, *args)
             m = served.metrics
-            if (record := request_context.current()) is not None:
+            if record is not None:
                 record.model = served.name  # the access line's model, before any answer
+            slot = await _enter(st, req, served, key, request.scope)
+        except RouterError as exc:
+            if isinstance(exc, Overloaded):
+                m.child(m.admission_rejected, exc.reason).inc()
+            _count(m, route, exc.status, t0)
+            return error_response(exc, ids.echo)
+        except ClientDisconnect:  # left mid-upload: an ordinary event, not a bug to log
+            _count(m, route, 499, t0)
+            return Response(b"", 499)
+        admitted = _Admitted(req, served, key, slot)
+        response = await serve(request, admitted, st, t0, ids)
+        done = functools.partial(_finished, admitted, st.quotas, record)
+        if isinstance(response, RelayResponse):
+            response.on_close(done)
+        else:
+            done()
+        return response
+
+    async def serve(
+        request: Request, admitted: _Admitted, st: RouterState, t0: float, ids: _Ids
+    ) -> Response:
+        req, served = admitted.req, admitted.served
+        m = served.metrics
+        try:
             # Only while the router starts: engines probed every 0.2 s until ready.
             await served.pool.wait_first_ready(st.config.startup_wait_s)
             if req.adapter is not None:
@@ -242,6 +258,39 @@ def _completion_handler(
                              st.config.stream_write_timeout_s)
 
     return handler
+
+
+async def _enter(st: RouterState, req: ClientRequest, served: ServedModel,
+                 key: KeySettings | None, scope: Any) -> Slot | None:
+    """The request's priority (router/priority.py) set on its legs, then its admission
+    slot, waited for in the fair queue (None: no admission control)."""
+    priority = request_priority(req.body, priority_header(scope), key)
+    apply_priority(req.body, priority, served.config.forward_priority)
+    if st.admission is None:
+        return None
+    with span("admission_wait"):
+        return await st.admission.acquire(priority, key.name if key else "")
+
+
+@dataclass(slots=True)
+class _Admitted:
+    """A validated request holding its admission slot (None: no admission control)."""
+
+    req: ClientRequest
+    served: ServedModel
+    key: KeySettings | None
+    slot: Slot | None
+
+
+def _finished(admitted: _Admitted, quotas: TokenQuotas,
+              record: request_context.RequestRecord | None) -> None:
+    """The request is over (its answer sent, or its stream closed): free its slot and
+    charge its key the tokens of the usage the client was relayed (router/quotas.py)."""
+    if admitted.slot is not None:
+        admitted.slot.release()
+    if record is not None and admitted.key is not None:
+        quotas.charge(admitted.key, (record.prompt_tokens or 0) +
+                      (record.completion_tokens or 0))
 
 
 def client_id(scope: Any, names: list[str]) -> str | None:

@@ -58,6 +58,8 @@ from pdgate.router.orchestrator import MigrationSettings, Orchestrator
 from pdgate.router.policies import POLICY_NAMES
 from pdgate.router.policies.setup import check_routing, open_routing
 from pdgate.router.pool import Endpoint, EndpointPool
+from pdgate.router.priority import ClientKeys
+from pdgate.router.quotas import TokenQuotas
 from pdgate.router.served_models import ModelTable, ServedModel
 from pdgate.router.tracing import UNTRACED, TracingMiddleware, TracingSlot, finish_span
 from pdgate.router.worker_metrics import pod_registry, publish_forever, remove_published
@@ -206,7 +208,8 @@ async def _serving_state(
         table = ModelTable(served)
         first = table.default
         yield RouterState(config, metrics, registry, first.pool, first.orchestrator,
-                          int(time.time()), table, _admission(config, metrics), limits)
+                          int(time.time()), table, _admission(config, metrics), limits,
+                          ClientKeys(config), TokenQuotas())
 
 
 def _pool(config: RouterConfig, metrics: RouterMetrics) -> EndpointPool:
@@ -290,7 +293,7 @@ def _admission(config: RouterConfig, metrics: RouterMetrics) -> Admission:
 
     return Admission(config.max_concurrent_requests, config.max_queued_requests,
                      config.queue_timeout_s, on_change=gauges,
-                     on_wait=metrics.observe_admission_wait)
+                     on_wait=metrics.observe_admission_wait, order=config.admission_order)
 
 
 async def _start_discovery(

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pdgate.router.config import ConfigError, RouterConfig
+from pdgate.router.config import ClientKey, ConfigError, RouterConfig
 from pdgate.router.config_checks import validate_config
 from pdgate.router.errors import InvalidRequest
 from pdgate.router.http.admin import check_engine_url
@@ -94,11 +94,17 @@ async def test_add_engine_rejects_bad_bodies(
 async def test_admin_config_is_the_effective_config(
     make_engine: MakeEngine, start_router: StartRouter
 ) -> None:
+    keys = [ClientKey(key="team-secret-1", name="team", priority=2)]
     router = await start_router([await make_engine()], [await make_engine()],
-                                admin_api_key="admin-secret-1", max_retries=3)
-    config = (await router.client.get("/admin/config", headers=ADMIN)).json()
+                                admin_api_key="admin-secret-1", max_retries=3,
+                                client_keys=keys)
+    resp = await router.client.get("/admin/config", headers=ADMIN)
+    config = resp.json()
     assert config["max_retries"] == 3 and config["api_key"] is None
     assert config["admin_api_key"] == "<redacted>"
+    assert config["client_keys"] == [{"key": "<redacted>", "name": "team", "priority": 2,
+                                      "tokens_per_minute": None}]
+    assert "team-secret-1" not in resp.text
 
 
 def test_static_engine_urls_get_the_same_checks(tiny_model_dir: Path) -> None:

@@ -94,6 +94,8 @@ def redacted_config(config: RouterConfig) -> dict[str, Any]:
     for key in _SECRETS:
         if data.get(key) is not None:
             data[key] = _REDACTED
+    for entry in data.get("client_keys", []):  # their names and settings are not secret
+        entry["key"] = _REDACTED
     return data
 
 

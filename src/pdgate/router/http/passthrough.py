@@ -79,8 +79,12 @@ def _handler(holder: StateHolder, ids: InternalIds, route: str) -> RouteEndpoint
             body, served, adapter = await _read_body(request, st)
             m = served.metrics
             if st.admission:
+                # The key's flow and priority in the fair queue (no token quota here: these
+                # routes' usage is not counted).
+                key = st.keys.of(request.scope)
                 with span("admission_wait"):
-                    slot = await st.admission.acquire()
+                    slot = await st.admission.acquire(*((key.priority, key.name) if key
+                                                        else (0, "")))
             response = await _forward(st, served, request.method, route, body, internal, echo,
                                       adapter)
         except RouterError as exc:

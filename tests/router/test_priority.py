@@ -3,6 +3,7 @@ key; refused when malformed; forwarded on both legs only where configured."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ from pdgate.router.config import ClientKey, RouterConfig
 from pdgate.router.errors import InvalidRequest
 from pdgate.router.priority import PRIORITY_HEADER, ClientKeys, KeySettings, request_priority
 from tests.router.conftest import MODEL
+from tests.router.test_access_tokens import access_lines
 from tests.router.test_errors import COMPLETIONS, MakeEngine, StartRouter
 
 GOLD = KeySettings("gold", priority=-2)
@@ -141,3 +143,17 @@ async def test_malformed_priority_is_a_400_before_any_engine(
     assert err["message"].startswith(message)
     assert p.requests == [] and d.requests == []
     assert router.metric("pdgate_admission_active") == 0
+
+
+async def test_the_access_line_names_the_key_and_priority_never_the_key_itself(
+        make_engine: MakeEngine, start_router: StartRouter,
+        caplog: pytest.LogCaptureFixture) -> None:
+    keys = [ClientKey(key="bulk-key-0", name="bulk", priority=3)]
+    p, d, router = await _pair(make_engine, start_router, "pull", client_keys=keys)
+    with caplog.at_level(logging.DEBUG):
+        resp = await router.client.post(COMPLETIONS, json=BODY, headers={
+            "Authorization": "Bearer bulk-key-0", PRIORITY_HEADER: "5"})
+    assert resp.status_code == 200, resp.text
+    [line] = access_lines(caplog)
+    assert (line["client_key"], line["priority"]) == ("bulk", 5)
+    assert "bulk-key-0" not in caplog.text

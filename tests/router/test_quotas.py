@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -14,6 +15,7 @@ from pdgate.router.priority import KeySettings
 from pdgate.router.quotas import TokenQuotas
 from tests.router.conftest import MODEL
 from tests.router.test_errors import CHAT, COMPLETIONS, HI, MakeEngine, StartRouter
+from tests.router.test_ops import eventually
 
 KEY = KeySettings("team", tokens_per_minute=150)
 
@@ -155,3 +157,25 @@ async def test_a_stream_without_usage_for_the_client_is_counted_all_the_same(
     assert resp.status_code == 200 and '"usage"' not in resp.text  # the client asked none
     resp = await router.client.post(path, json=quiet, headers=AUTH)
     assert resp.status_code == 429  # the router counted the usage D sent it
+
+
+async def test_a_request_that_queued_while_the_quota_was_spent_is_refused_at_admission(
+        make_engine: MakeEngine, start_router: StartRouter) -> None:
+    # One slot: B queues behind A; A's tokens fill the key's window when A ends, so B,
+    # under the quota when it arrived, is refused when its slot comes, before any engine.
+    path, body, _ = REQUESTS[0]
+    probe = await _router(make_engine, start_router, 10**6)
+    cost = _usage_of(await probe.client.post(path, json=body, headers=AUTH), False)
+    p, d = await make_engine(), await make_engine(delay_s=0.5)
+    keys = [ClientKey(key=TEAM_KEY, name="team", tokens_per_minute=cost)]
+    router = await start_router([p], [d], client_keys=keys, max_concurrent_requests=1,
+                                queue_timeout_s=30)
+    first = asyncio.create_task(router.client.post(path, json=body, headers=AUTH))
+    await eventually(lambda: router.metric("pdgate_admission_active") == 1, "A admitted")
+    second = asyncio.create_task(router.client.post(path, json=body, headers=AUTH))
+    await eventually(lambda: router.metric("pdgate_admission_queued") == 1, "B queued")
+    a, b = await asyncio.gather(first, second)
+    assert a.status_code == 200 and b.status_code == 429, b.text
+    assert b.json()["error"]["code"] == "rate_limit_exceeded"
+    assert len(d.decodes) == 1  # B never reached an engine
+    assert router.metric("pdgate_admission_active") == 0  # B's slot was given back

@@ -55,6 +55,8 @@ class RequestRecord:
     migrations: int | None = None  # continuations of a stream whose decode engine failed
     decision: str | None = None  # the decider's reason (measured-cost decider)
     predicted_ttft_s: float | None = None  # its predicted time to first token
+    priority: int | None = None  # its effective priority (router/priority.py)
+    client_key: str | None = None  # the name of its client key (never the key)
     watcher: RequestWatcher | None = None
 
 

@@ -129,6 +129,8 @@ def _fields(record: RequestRecord, status: int, pd_mode: str) -> dict[str, Any]:
         "ttft_s": None if record.ttft_s is None else round(record.ttft_s, 6),
         "admission_wait_s": None if record.admission_wait_s is None
         else round(record.admission_wait_s, 6),
+        "priority": record.priority,
+        "client_key": record.client_key,
         "prompt_tokens": record.prompt_tokens,
         "completion_tokens": record.completion_tokens,
         "prefill_engine": record.engines.get("prefill"),

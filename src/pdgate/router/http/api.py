@@ -25,7 +25,13 @@ from starlette.responses import Response
 from pdgate.router import request_context
 from pdgate.router.admission import Admission, Slot
 from pdgate.router.config import RouterConfig
-from pdgate.router.errors import ModelNotFound, Overloaded, RouterError, error_json
+from pdgate.router.errors import (
+    ModelNotFound,
+    Overloaded,
+    QuotaExceeded,
+    RouterError,
+    error_json,
+)
 from pdgate.router.http.client_deadlines import header_value, read_body_within
 from pdgate.router.http.drain import Drain
 from pdgate.router.http.relay_response import DisconnectWatch, RelayResponse
@@ -263,13 +269,24 @@ def _completion_handler(
 async def _enter(st: RouterState, req: ClientRequest, served: ServedModel,
                  key: KeySettings | None, scope: Any) -> Slot | None:
     """The request's priority (router/priority.py) set on its legs, then its admission
-    slot, waited for in the fair queue (None: no admission control)."""
+    slot, waited for in the fair queue (None: no admission control). The key's quota is
+    checked again once the slot is there: requests that ended while this one queued may
+    have spent it."""
     priority = request_priority(req.body, priority_header(scope), key)
     apply_priority(req.body, priority, served.config.forward_priority)
+    if (record := request_context.current()) is not None:
+        record.priority = priority
+        record.client_key = key.name if key is not None else None
     if st.admission is None:
         return None
     with span("admission_wait"):
-        return await st.admission.acquire(priority, key.name if key else "")
+        slot = await st.admission.acquire(priority, key.name if key else "")
+    try:
+        st.quotas.check(key)
+    except QuotaExceeded:
+        slot.release()
+        raise
+    return slot
 
 
 @dataclass(slots=True)

@@ -503,13 +503,17 @@ def test_user_router_config_overrides_and_existing_secrets(
         "notificationSecret": {"existingSecret": "my-notify"},
         "engineApiKey": {"existingSecret": "my-engine-key"},
         "adminApiKey": {"existingSecret": "my-admin-key"},
+        "clientKeys": {"existingSecret": "my-client-keys"},
     }))
     cfg = yaml.safe_load(r.one("ConfigMap", "-router")["data"]["router.yaml"])
     assert cfg["decode_policy"] == "round-robin" and cfg["health_interval_s"] == 2
     assert r.of("Secret") == []
     assert sorted(secret_refs(r.one("Deployment", "-router"))) == [
-        ("my-admin-key", "admin-api-key", False), ("my-engine-key", "engine-api-key", False),
+        ("my-admin-key", "admin-api-key", False), ("my-client-keys", "client-keys", False),
+        ("my-engine-key", "engine-api-key", False),
         ("my-keys", "api-keys", False), ("my-notify", "notify-secret", False)]
+    env = {e["name"]: e.get("value") for e in containers(r.one("Deployment", "-router"))[0]["env"]}
+    assert env["PDGATE_CLIENT_KEYS_FILE"] == "/var/run/secrets/pdgate/client-keys"
     for role in ("prefill", "decode"):
         assert sorted(secret_refs(r.one("Deployment", f"-{role}"))) == [
             ("my-engine-key", "engine-api-key", False), ("my-notify", "notify-secret", False)]

@@ -141,13 +141,16 @@ routerConfig (RouterConfig fields of its `models:` entry). */}}
 {{- define "pdgate.secretsDir" -}}/var/run/secrets/pdgate{{- end -}}
 
 {{/* The secret files a pdgate container gets, as YAML {files: [{env, secret, key}]}:
-.component router (client keys, notify secret, engine key, admin key) or shim (notify
+.component router (client keys, client_keys, notify secret, engine key, admin key) or shim (notify
 secret, engine key). The file is named after the Secret key. */}}
 {{- define "pdgate.secretFiles" -}}
 {{- $v := .ctx.Values -}}
 {{- $files := list -}}
 {{- if and (eq .component "router") (include "pdgate.clientKeys" .ctx) -}}
 {{- $files = append $files (dict "env" "PDGATE_API_KEYS_FILE" "secret" (include "pdgate.apiKeysSecret" .ctx) "key" "api-keys") -}}
+{{- end -}}
+{{- if and (eq .component "router") $v.clientKeys.existingSecret -}}
+{{- $files = append $files (dict "env" "PDGATE_CLIENT_KEYS_FILE" "secret" $v.clientKeys.existingSecret "key" "client-keys") -}}
 {{- end -}}
 {{- if $v.notificationSecret.enabled -}}
 {{- $files = append $files (dict "env" "PDGATE_NOTIFY_SECRET_FILE" "secret" (include "pdgate.notifySecret" .ctx) "key" "notify-secret") -}}

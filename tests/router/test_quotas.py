@@ -129,6 +129,7 @@ async def test_quota_counts_exactly_the_usage_the_client_received(
     # holds `spent` tokens, which is the quota (refused) or one under it (one more passes).
     router = await _router(make_engine, start_router, spent + slack)
     assert await _spend(router) == spent
+    assert router.metric("pdgate_client_tokens_total", {"key": "team"}) == spent
     path, body, _ = REQUESTS[0]
     resp = await router.client.post(path, json=body, headers=AUTH)
     if slack:

@@ -136,6 +136,7 @@ class RouterMetrics:
     admission_active: FastGauge  # requests holding an admission slot
     admission_queued: FastGauge  # requests waiting for a slot
     admission_rejected: FastCounter  # reason (queue_full | queue_timeout | quota)
+    client_tokens: FastCounter  # key (a client key's name): prompt + completion tokens
     kv_aborts: FastCounter  # result (ok | unsupported | failed): P asked to free a request's KV
     lora_loads: FastCounter  # result (ok | failed): LoRA adapter loads the router asked for
     breaker_opened: FastCounter  # role: circuit breakers opened (engines ejected)
@@ -393,6 +394,11 @@ class RouterMetrics:
             ),
             admission_rejected=FastCounter(
                 "pdgate_admission_rejected", "Requests refused with 429", ["reason"],
+                registry=r,
+            ),
+            client_tokens=FastCounter(
+                "pdgate_client_tokens", "Prompt plus completion tokens relayed to the "
+                "requests of each client key (its name), what token quotas count", ["key"],
                 registry=r,
             ),
             kv_aborts=FastCounter(

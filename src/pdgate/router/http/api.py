@@ -221,7 +221,7 @@ def _completion_handler(
             return Response(b"", 499)
         admitted = _Admitted(req, served, key, slot)
         response = await serve(request, admitted, st, t0, ids)
-        done = functools.partial(_finished, admitted, st.quotas, record)
+        done = functools.partial(_finished, admitted, st, record)
         if isinstance(response, RelayResponse):
             response.on_close(done)
         else:
@@ -299,15 +299,20 @@ class _Admitted:
     slot: Slot | None
 
 
-def _finished(admitted: _Admitted, quotas: TokenQuotas,
+def _finished(admitted: _Admitted, st: RouterState,
               record: request_context.RequestRecord | None) -> None:
     """The request is over (its answer sent, or its stream closed): free its slot and
-    charge its key the tokens of the usage the client was relayed (router/quotas.py)."""
+    charge its key the tokens of the usage the client was relayed (router/quotas.py),
+    counted in `pdgate_client_tokens_total{key}` too."""
     if admitted.slot is not None:
         admitted.slot.release()
-    if record is not None and admitted.key is not None:
-        quotas.charge(admitted.key, (record.prompt_tokens or 0) +
-                      (record.completion_tokens or 0))
+    key = admitted.key
+    if record is None or key is None:
+        return
+    tokens = (record.prompt_tokens or 0) + (record.completion_tokens or 0)
+    if tokens > 0:
+        st.quotas.charge(key, tokens)
+        st.metrics.child(st.metrics.client_tokens, key.name).inc(tokens)
 
 
 def client_id(scope: Any, names: list[str]) -> str | None:

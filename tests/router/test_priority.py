@@ -3,6 +3,7 @@ key; refused when malformed; forwarded on both legs only where configured."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -14,6 +15,7 @@ from pdgate.router.priority import PRIORITY_HEADER, ClientKeys, KeySettings, req
 from tests.router.conftest import MODEL
 from tests.router.test_access_tokens import access_lines
 from tests.router.test_errors import COMPLETIONS, MakeEngine, StartRouter
+from tests.router.test_ops import eventually
 
 GOLD = KeySettings("gold", priority=-2)
 BULK = KeySettings("bulk", priority=3)
@@ -157,3 +159,30 @@ async def test_the_access_line_names_the_key_and_priority_never_the_key_itself(
     [line] = access_lines(caplog)
     assert (line["client_key"], line["priority"]) == ("bulk", 5)
     assert "bulk-key-0" not in caplog.text
+
+
+@pytest.mark.parametrize(("order", "expected"), [
+    ("fair", ["f0", "f1", "i0", "f2", "f3"]),
+    ("fifo", ["f0", "f1", "f2", "f3", "i0"]),
+])
+async def test_the_router_queues_by_key_in_the_fair_order(
+        make_engine: MakeEngine, start_router: StartRouter, order: str,
+        expected: list[str]) -> None:
+    # One slot: f0 runs, f1-f3 (flood key) queue, then i0 (another key, same priority).
+    keys = [ClientKey(key="flood-key-0", name="flood"), ClientKey(key="inter-key-0",
+                                                                name="interactive")]
+    p = await make_engine()
+    d = await make_engine(delay_s=0.2)
+    router = await start_router([p], [d], client_keys=keys, max_concurrent_requests=1,
+                                admission_order=order, queue_timeout_s=30)
+    sends = []
+    for n, name in enumerate(["f0", "f1", "f2", "f3", "i0"]):
+        key = "inter-key-0" if name.startswith("i") else "flood-key-0"
+        sends.append(asyncio.create_task(router.client.post(
+            COMPLETIONS, json={**BODY, "prompt": name},
+            headers={"Authorization": f"Bearer {key}"})))
+        await eventually(lambda n=n: router.metric("pdgate_admission_queued") == n,
+                         f"{name} in")
+    for resp in await asyncio.gather(*sends):
+        assert resp.status_code == 200, resp.text
+    assert [r.body["prompt"] for r in d.decodes] == expected

@@ -45,18 +45,17 @@ from bench.e2e import _free_base, launch, one, prompt, stop  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DECIDERS = ("static", "measured-cost")
-MEASURED = """decider:
-  type: measured-cost
-  params: {margin: 0.2, min_dwell_s: 1.0, itl_stall_s: 0.5}
-"""
+MEASURED_PARAMS = {"margin": 0.2, "min_dwell_s": 1.0, "itl_stall_s": 0.5}
 
 
-def start(decider: str, tmp: Path, device: str = "cpu",
-          up_args: list[str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def start(decider: str, tmp: Path, device: str = "cpu", up_args: list[str] | None = None,
+          params: dict[str, float] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     """A 2P2D `pdgate up` with `decider`; the process and the router URL once ready."""
     base = _free_base(9)
     config = tmp / f"{decider}.yaml"
-    config.write_text(MEASURED if decider == "measured-cost" else "decider: static\n")
+    spec = {"type": decider, "params": {**MEASURED_PARAMS, **(params or {})}} \
+        if decider == "measured-cost" else decider
+    config.write_text(json.dumps({"decider": spec}))  # JSON is YAML
     argv = [sys.executable, "-m", "pdgate.cli", "up", "--no-demo", "--prefill", "2",
             "--decode", "2", "--port", str(base), "--engine-port-base", str(base + 1),
             "--side-channel-port-base", str(base + 5), "--block-size", "16",
@@ -127,7 +126,7 @@ def workload(args: argparse.Namespace) -> dict[str, tuple[list[tuple[str, int]],
 
 
 def run_one(decider: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
-    proc, url = start(decider, tmp, args.device, args.up_arg)
+    proc, url = start(decider, tmp, args.device, args.up_arg, json.loads(args.params))
     figures: dict[str, Any] = {}
     try:
         asyncio.run(phase(url, [(prompt(90_000 + i, args.long_tokens), 4)
@@ -180,6 +179,9 @@ def main() -> int:
     p.add_argument("--up-arg", action="append", default=[],
                    help="extra `pdgate up` flag (repeatable), e.g. "
                         "--up-arg=--decode-engine-arg=--device=cuda:1")
+    p.add_argument("--params", default="{}", metavar="JSON",
+                   help="measured-cost params over the bench's "
+                        f"{json.dumps(MEASURED_PARAMS)}, e.g. '{{\"min_dwell_s\": 0.2}}'")
     p.add_argument("--json", action="store_true", help="print figures as JSON last line")
     args = p.parse_args()
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")

@@ -9,9 +9,14 @@ keep-alive connections, then off; the user-space instructions collected (callgri
 same code agree within ~1 %, so commits can be compared on a loaded 2-core machine where
 timings (bench/peers.py) cannot.
 
-    python bench/instructions.py [--root DIR ...] [--words 200,2000] [--formats json,sse]
+    python bench/instructions.py [--root DIR ...] [--words 200,2000]
+                                 [--formats json,sse,json-migrating]
                                  [--policies round-robin,round-robin-dp2]
                                  [--requests 400] [--warmup 200] [--connections 4]
+
+`--formats json-migrating` measures a non-streaming request that mid-stream migration
+serves as a stream (`--migrate-non-streaming`, a router with a tokenizer; its decode engine
+lists token ids per chunk); `json` is the same request served plainly.
 
 Needs valgrind (apt-get install valgrind) and nginx (as bench/peers.py).
 """
@@ -72,9 +77,13 @@ def measure(root: Path, ports: dict[str, int], fmt: str, words: int, policy: str
     policy (bench/peers.py's names: round-robin, round-robin-dp2, cache-aware)."""
     port = peers.free_port()
     out = tmp / f"cg-{root.name}-{fmt}-{words}-{policy}.out"
+    migrating = fmt == "json-migrating"
+    decode = ports["sse-ids"] if migrating else ports[fmt]
     argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
             f"--callgrind-out-file={out}",
-            *peers.pdgate_argv(port, ports["prefill"], ports[fmt], 1, policy, args)]
+            *peers.pdgate_argv(port, ports["prefill"], decode, 1, policy, args),
+            *(["--tokenizer", str(_tokenizer(tmp)), "--migrate-non-streaming"]
+              if migrating else [])]
     # A fixed hash seed: dict and set layouts (and so the work) the same in every run.
     env = {**peers.pdgate_env(root), "PYTHONHASHSEED": "0"}
     proc = peers.spawn(argv, None, tmp / f"{out.name}.log", env=env, cwd=root)
@@ -97,13 +106,26 @@ def measure(root: Path, ports: dict[str, int], fmt: str, words: int, policy: str
     return float(n / args.requests)
 
 
+def _tokenizer(tmp: Path) -> Path:
+    """The tiny model's tokenizer in `tmp` (built once): with one, the router may migrate
+    requests (mid-stream migration needs the prompt's ids)."""
+    out = tmp / "tokenizer"
+    if not out.is_dir():
+        from pdgate.engine_shim.tiny import build_tiny_tokenizer
+        build_tiny_tokenizer(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", action="append",
                    help="a checkout whose router is measured (repeatable; default: this one)")
     p.add_argument("--words", type=lambda s: [int(w) for w in s.split(",")], default=[200])
-    p.add_argument("--formats", default="json,sse")
+    p.add_argument("--formats", default="json,sse",
+                   help="comma-separated: json, sse, json-migrating (a non-streaming request "
+                        "to a router with --migrate-non-streaming and a tokenizer: served as "
+                        "a stream listing token ids, which the router assembles)")
     p.add_argument("--policies", default="round-robin",
                    help="comma-separated, bench/peers.py's: round-robin, round-robin-dp2 "
                         "(every engine as 2 DP ranks: the cost of rank pinning), cache-aware")

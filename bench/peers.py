@@ -86,6 +86,15 @@ _SSE_CHUNK = ('data: {"id":"cmpl-d","object":"text_completion","created":0,'
               '"model":"pdgate-tiny","choices":[{"index":0,"text":" tok",'
               '"finish_reason":null,"logprobs":null}]}\n\n')
 _SSE_REPLY = _SSE_CHUNK * MAX_TOKENS + "data: [DONE]\n\n"
+# The same stream as a decode engine sends it to a router that tracks token ids (mid-stream
+# migration asks for `return_token_ids` and the usage chunk): bench/instructions.py's
+# `json-migrating` rows, a non-streaming request the router serves as such a stream.
+_SSE_IDS_CHUNK = _SSE_CHUNK.replace('"logprobs":null}', '"logprobs":null,"token_ids":[7]}')
+_SSE_IDS_REPLY = (_SSE_IDS_CHUNK * MAX_TOKENS
+                  + 'data: {"id":"cmpl-d","object":"text_completion","created":0,'
+                  '"model":"pdgate-tiny","choices":[],"usage":{"prompt_tokens":8,'
+                  f'"completion_tokens":{MAX_TOKENS},"total_tokens":{8 + MAX_TOKENS}}}}}\n\n'
+                  "data: [DONE]\n\n")
 
 
 # ---------------------------------------------------------------- tools and processes
@@ -221,17 +230,20 @@ def _nginx_conf(tmp: Path, ports: dict[str, int]) -> str:
             f"  uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;\n"
             + server(ports["prefill"], "application/json", _PREFILL_REPLY)
             + server(ports["json"], "application/json", _DECODE_REPLY)
-            + server(ports["sse"], "text/event-stream", _SSE_REPLY) + "}\n")
+            + server(ports["sse"], "text/event-stream", _SSE_REPLY)
+            + server(ports["sse-ids"], "text/event-stream", _SSE_IDS_REPLY) + "}\n")
 
 
 @contextmanager
 def nginx_engines(cpus: str | None, nginx: str | None = None,
                   libs: str | None = None) -> Iterator[dict[str, int]]:
-    """One nginx serving the prefill, JSON-decode and SSE-decode engines; their ports."""
+    """One nginx serving the prefill, JSON-decode and SSE-decode engines (and an SSE one
+    listing token ids, `sse-ids`); their ports."""
     nginx = nginx or ensure_nginx()
     with tempfile.TemporaryDirectory(prefix="pdgate-peers-") as tmp_s:
         tmp = Path(tmp_s)
-        ports = {"prefill": free_port(), "json": free_port(), "sse": free_port()}
+        ports = {"prefill": free_port(), "json": free_port(), "sse": free_port(),
+                 "sse-ids": free_port()}
         conf = tmp / "nginx.conf"
         conf.write_text(_nginx_conf(tmp, ports))
         proc = spawn([nginx, "-c", str(conf), "-p", str(tmp), "-e", str(tmp / "error.log")],

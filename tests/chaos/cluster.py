@@ -196,13 +196,13 @@ def stop_engines(engines: list[Engine]) -> None:
 
 
 def start_router(engines: list[Engine], port: int, model_dir: Path, mode: str, *,
-                 timeout: float = 120.0) -> ChaosCluster:
-    """A router in `mode` (pull, notify or push) in front of `engines`; returns once it
-    counts every engine healthy."""
+                 timeout: float = 120.0, extra: list[str] | None = None) -> ChaosCluster:
+    """A router in `mode` (pull, notify or push) in front of `engines` (`extra`: more
+    router flags); returns once it counts every engine healthy."""
     log_dir = engines[0].log.parent
     argv = [sys.executable, "-m", "pdgate.router", "--host", "127.0.0.1", "--port", str(port),
             "--model", str(model_dir), "--served-model-name", TINY_MODEL_NAME,
-            "--pd-mode", mode, *ROUTER_FLAGS]
+            "--pd-mode", mode, *ROUTER_FLAGS, *(extra or [])]
     for e in engines:
         argv += [f"--{e.role}", e.url]
     cluster = ChaosCluster(mode, port, engines, argv, log_dir)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +70,7 @@ class Seen:
     dones: int = 0
     usage: dict[str, int] | None = None
     lost: str | None = None
+    rid: str | None = None  # X-Pdgate-Request-Id: the engines' id of the request
 
 
 @pytest.fixture(scope="module")
@@ -259,13 +260,123 @@ def _scenario(cluster: ChaosCluster, reference: dict[str, tuple[str, int, int]],
     wait_healthy(victim, 120)
 
 
-def _assert_prefix_over_nixl(survivor: Engine, reference: dict[str, tuple[str, int, int]]
-                             ) -> None:
+def _assert_prefix_over_nixl(survivor: Engine, reference: dict[str, tuple[str, int, int]],
+                             prompts: Mapping[str, int] | None = None) -> None:
     """The surviving decode engine's transfer log has the continuations' blocks (engine
-    request ids `<id>-m1...`), covering more than any original prompt."""
+    request ids `<id>-m1...`), covering more than any original prompt; with `prompts`
+    (engine request id: prompt tokens), more than the prompt of the request continued."""
     log = httpx.get(survivor.url + "/debug/kv_transfers", timeout=10).json()["transfers"]
     moved = [e for e in log if "-m1" in e["request_id"]]
+    if prompts is not None:
+        moved = [e for e in moved if e["request_id"].split("-m1")[0] in prompts]
     assert moved, f"no continuation's KV reached {survivor.name}: {log[-5:]}"
-    longest_prompt = max(n for _, n, _ in reference.values())
-    covered = max(e["blocks"] for e in moved) * BLOCK_SIZE
-    assert covered > longest_prompt + BLOCK_SIZE, (covered, longest_prompt, moved[:3])
+    if prompts is None:
+        longest_prompt = max(n for _, n, _ in reference.values())
+        covered = max(e["blocks"] for e in moved) * BLOCK_SIZE
+        assert covered > longest_prompt + BLOCK_SIZE, (covered, longest_prompt, moved[:3])
+        return
+    beyond = max(e["blocks"] * BLOCK_SIZE - prompts[e["request_id"].split("-m1")[0]]
+                 for e in moved)
+    assert beyond > BLOCK_SIZE, (beyond, moved[:3])
+
+
+# Non-streaming requests (`--migrate-non-streaming`): the router runs their decode leg as a
+# stream it reads itself, so a decode engine killed mid-generation is continued the same
+# way, and the client, who saw nothing before the answer, gets one whole answer. The kill
+# fires when the victim has generated this many tokens (over all its requests, about half
+# of the 20, which run together: a tenth of it each) since the burst began.
+NONSTREAM_KILL_AFTER = {"pull": 100, "notify": 250, "push": 400}
+
+
+async def _answer(client: httpx.AsyncClient, url: str, seen: Seen) -> None:
+    """One non-streaming request; what its client got."""
+    try:
+        r = await client.post(url + _path(seen.prompt), json=_body(seen.prompt, stream=False))
+    except (TimeoutError, httpx.HTTPError) as exc:
+        seen.lost = repr(exc)
+        return
+    seen.status = r.status_code
+    seen.decode = r.headers.get("x-pdgate-decode-engine")
+    seen.rid = r.headers.get("x-pdgate-request-id")
+    obj = r.json()
+    if "error" in obj:
+        seen.errors.append(obj["error"].get("message", ""))
+        return
+    seen.ids.add(obj["id"])
+    seen.objects.add(obj["object"])
+    for choice in obj["choices"]:
+        seen.text += choice["message"]["content"] if "message" in choice else choice["text"]
+        seen.roles += choice.get("message", {}).get("role") == "assistant"
+        assert "token_ids" not in choice, "token ids leaked to a client that did not ask"
+    seen.usage = obj.get("usage")
+
+
+async def _kill_after(victim: Engine, tokens: int, killed: list[float]) -> None:
+    """`kill -9` the victim once it generated `tokens` more tokens; the count it had then."""
+    name = "pdgate_shim_generation_tokens_total"
+    base = await asyncio.to_thread(metric, victim.url, name)
+    while True:
+        now = await asyncio.to_thread(metric, victim.url, name)
+        if now - base >= tokens:
+            victim.kill()
+            killed.append(now - base)
+            return
+        await asyncio.sleep(0.01)
+
+
+async def _run_answers(url: str, victim: Engine, tokens: int) -> tuple[list[Seen], float]:
+    seen = [Seen(p) for p in PROMPTS]
+    killed: list[float] = []
+    limits = httpx.Limits(max_connections=N_STREAMS, max_keepalive_connections=N_STREAMS)
+    async with httpx.AsyncClient(timeout=CLIENT_DEADLINE_S, limits=limits) as client:
+        killer = asyncio.create_task(_kill_after(victim, tokens, killed))
+        await asyncio.gather(*(_answer(client, url, s) for s in seen))
+        killer.cancel()
+    assert killed, f"the victim never generated {tokens} tokens"
+    return seen, killed[0]
+
+
+@pytest.mark.parametrize("mode", ["pull", "notify", "push"])
+def test_decode_killed_mid_generation_of_non_streaming_requests(
+        mode: str, engines: tuple[list[Engine], int], tiny_model_dir: Path,
+        reference: dict[str, tuple[str, int, int]]) -> None:
+    """Every non-streaming request the kill cut gets a 200 with the colocated greedy text
+    and usage billed as one request, continued with P's KV on the surviving engine."""
+    started, port = engines
+    for e in started:
+        if not e.running:
+            e.restart()
+            wait_healthy(e, 120)
+    cluster = start_router(started, port, tiny_model_dir, mode,
+                           extra=["--migrate-non-streaming"])
+    victim, survivor = cluster.by_role("decode")
+    try:
+        t0 = time.monotonic()
+        seen, at = asyncio.run(_run_answers(cluster.url, victim, NONSTREAM_KILL_AFTER[mode]))
+        took = time.monotonic() - t0
+        kv = metric(cluster.url, "pdgate_migrations_total", f'mode="{mode}",result="kv"')
+        retries = metric(cluster.url, "pdgate_retries_total", 'role="decode"')
+        redone = metric(cluster.url, "pdgate_fallbacks_total", 'reason="decode_retry"')
+        print(f"\nMIGRATION non-streaming mode={mode} requests={len(seen)} killed after "
+              f"{at:.0f} victim tokens, migrations_kv={kv} decode_retries={retries} "
+              f"decode_retry_recomputes={redone} took={took:.1f}s")
+        for s in seen:
+            want, prompt_tokens, _ = reference[s.prompt]
+            where = f"{s.prompt!r} (decode {s.decode})"
+            assert s.lost is None and s.status == 200, f"{where}: {s.lost or s.status} {s.errors}"
+            chat = s.prompt in CHAT
+            assert s.objects == {"chat.completion" if chat else "text_completion"}, where
+            assert s.roles == (1 if chat else 0), where
+            assert s.text == want, f"{where}: text {s.text!r}, want {want!r}"
+            assert s.usage is not None and {k: s.usage.get(k) for k in (
+                "prompt_tokens", "completion_tokens", "total_tokens")} == {
+                "prompt_tokens": prompt_tokens, "completion_tokens": MAX_TOKENS,
+                "total_tokens": prompt_tokens + MAX_TOKENS}, f"{where}: usage {s.usage}"
+        assert kv >= 1, "no migration was counted"
+        _assert_prefix_over_nixl(survivor, reference, {
+            s.rid: reference[s.prompt][1] for s in seen if s.rid})
+    finally:
+        cluster.stop()
+        if not victim.running:
+            victim.start()
+            wait_healthy(victim, 120)

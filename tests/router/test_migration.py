@@ -197,9 +197,11 @@ async def _tokenize(req: ClientRequest) -> None:
     req.prompt_token_ids = list(PROMPT_IDS)
 
 
-def _migrator(legs: _Legs, registry: CollectorRegistry) -> Migrator:
+def _migrator(legs: _Legs, registry: CollectorRegistry, *, non_streaming: bool = False
+              ) -> Migrator:
     return Migrator(legs.run, _tokenize, MigrationMetrics.create(registry), "pull",
-                    max_migrations=2, deadline_s=30.0, max_model_len=None)
+                    max_migrations=2, deadline_s=30.0, max_model_len=None,
+                    non_streaming=non_streaming)
 
 
 async def _serve(m: Migrator, req: ClientRequest, first: bytes) -> list[Any]:
@@ -264,5 +266,13 @@ async def test_a_stream_that_had_finished_just_ends_with_its_usage() -> None:
 
 def test_requests_migration_does_not_look_at() -> None:
     m = _migrator(_Legs(), CollectorRegistry())
-    assert m.prepare(_req({"stream": False})) == OFF
+    assert m.prepare(_req({"stream": False})) == OFF  # without --migrate-non-streaming
     assert m.prepare(_req({"logprobs": 1})) == "logprobs"
+    m = _migrator(_Legs(), CollectorRegistry(), non_streaming=True)
+    # A non-streaming request that cannot migrate keeps the plain non-streaming legs.
+    assert m.prepare(_req({"stream": False, "logprobs": 1})) == OFF
+    plain = _req({"stream": False})
+    assert m.prepare(plain) is None and plain.track_ids
+    off = Migrator(_Legs().run, _tokenize, MigrationMetrics.create(CollectorRegistry()),
+                   "pull", max_migrations=0, deadline_s=30.0, max_model_len=None)
+    assert off.prepare(_req({})) == OFF and off.prepare(_req({"stream": False})) == OFF

@@ -214,6 +214,11 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("migration_deadline_s", float, "seconds from a decode failure within which a "
                                     "stream's continuation must open (else the stream "
                                     "ends with the error event)"),
+    ("migrate_non_streaming", bool, "migrate non-streaming requests too: the router runs "
+                                    "their decode leg as a stream it reads and assembles "
+                                    "the answer (costs router CPU per token; off: a decode "
+                                    "engine failing mid-generation is retried from the "
+                                    "start)"),
     ("kv_abort_timeout_s", float, "deadline of the best-effort request asking an engine to "
                                   "free what it holds for a failed or abandoned request (every "
                                   "mode: P's blocks, D's reservation or push registration)"),
@@ -259,7 +264,7 @@ _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                  "disagg_prefix_ratio", "decider", "engine_load_interval_s", "enable_lora",
                  "lora_adapters", "lora_load_timeout_s", "eject_consecutive_errors",
                  "breaker_open_s", "max_retries", "retry_backoff_s", "max_migrations",
-                 "migration_deadline_s")),
+                 "migration_deadline_s", "migrate_non_streaming")),
     ("flows", ("pd_mode", "early_first_token", "prefill_timeout_s",
                "decode_first_byte_timeout_s", "decode_idle_timeout_s", "kv_abort_timeout_s",
                "kv_ready_timeout_s", "notify_bind", "notify_advertise_host", "notify_secret",

@@ -254,6 +254,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # decode engine failed after the first byte (0: off), each opened within the deadline.
     max_migrations: int = 2
     migration_deadline_s: float = 30.0
+    # Non-streaming requests too, run as streams the router reads (off: a plain one costs
+    # 2.4 times the router's instructions that way; docs/flows.md "Mid-stream migration").
+    migrate_non_streaming: bool = False
     kv_abort_timeout_s: float = 2.0
     # Hostile input (router/input/limits.py): request parsing bounds, client-supplied chat
     # templates (off unless allowed; rendered sandboxed, off the event loop, with a budget),

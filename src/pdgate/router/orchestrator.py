@@ -56,7 +56,9 @@ class Orchestrator:
         A non-streaming answer's tokens are counted here, from the body the client gets;
         a stream counts its own as it is relayed (router/flows/common.py `relay_chunks`)."""
         result = await self._serve(req)
-        if isinstance(result, bytes):
+        # A non-streaming answer the router assembled from a tracked stream (migration)
+        # was counted by that stream's relay.
+        if isinstance(result, bytes) and not req.track_ids:
             self.metrics.observe_answer(result)
         return result
 
@@ -80,6 +82,10 @@ class Orchestrator:
         # A stream that may migrate asks its decode legs for token ids (router/flows/
         # migration.py); its continuations run through `continue_stream`.
         why_not = self.migrator.prepare(req)
+        if why_not is None and not req.stream:
+            # Served as a stream the router reads, so that it may migrate too.
+            return await self.migrator.answer(
+                req, lambda inner: self._run(inner, t0, decision.disagg))
         return self.migrator.wrap(req, await self._run(req, t0, decision.disagg), why_not)
 
     async def _run(self, req: ClientRequest, t0: float, disagg: bool) -> bytes | StreamResult:
@@ -126,13 +132,15 @@ class Orchestrator:
 
 @dataclass(frozen=True)
 class MigrationSettings:
-    """Mid-stream migration's settings (`--max-migrations`, `--migration-deadline-s`), the
-    `--pd-mode` it labels its metrics with, and those metrics."""
+    """Mid-stream migration's settings (`--max-migrations`, `--migration-deadline-s`,
+    `--migrate-non-streaming`), the `--pd-mode` it labels its metrics with, and those
+    metrics."""
 
     metrics: MigrationMetrics
     mode: str
     max_migrations: int = 2
     deadline_s: float = 30.0
+    non_streaming: bool = False
 
     def migrator(self, orch: Orchestrator) -> Migrator:
         """The orchestrator's migrator: continuations run through its P/D flow, prompts
@@ -141,7 +149,8 @@ class MigrationSettings:
         return Migrator(orch.continue_stream, orch.tokenize if tok is not None else None,
                         self.metrics, self.mode, max_migrations=self.max_migrations,
                         deadline_s=self.deadline_s,
-                        max_model_len=tok.max_model_len if tok is not None else None)
+                        max_model_len=tok.max_model_len if tok is not None else None,
+                        non_streaming=self.non_streaming)
 
 
 def check_context_length(prompt_tokens: int, max_tokens: int | None, limit: int | None,

@@ -14,6 +14,10 @@ with no healthy P, a decode engine computes it (counted as `recompute`). The ear
 token of the continuation, its retries before the first byte, and its KV cleanup are the
 flows' own. The client sees one stream: the same id, one usage block, one `[DONE]`.
 
+With `--migrate-non-streaming`, a non-streaming request that may migrate runs the same way,
+as a stream the router reads itself (`Migrator.answer`); its chunks become the one JSON
+answer the client asked for (router/engines/stream_answer.py).
+
 Bounded: at most `--max-migrations` continuations per request, each opened within
 `--migration-deadline-s` of the failure. Visible: `pdgate_migrations_total{mode,result}`
 (kv, recompute, failed, limit, deadline), `pdgate_migrations_declined_total{reason}` (a
@@ -31,11 +35,13 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from pdgate.router import request_context
 from pdgate.router.dp_ranks import split_key
 from pdgate.router.engines.resume_events import ResumeEvents
+from pdgate.router.engines.stream_answer import StreamAnswer
 from pdgate.router.errors import RouterError
 from pdgate.router.flows.base import StreamResult
 from pdgate.router.flows.resume import (
@@ -91,11 +97,13 @@ class MigrationMetrics:
 class Migrator:
     """Decides which streams may migrate and wraps them (built once per app). `run` serves
     a continuation (the flow of `--pd-mode`); `tokenize` fills a request's prompt ids (None:
-    the router has no tokenizer, so nothing migrates)."""
+    the router has no tokenizer, so nothing migrates); `non_streaming`: non-streaming
+    requests may migrate too (`answer`)."""
 
     def __init__(self, run: Runner, tokenize: Callable[[ClientRequest], Awaitable[None]] | None,
                  metrics: MigrationMetrics, mode: str, *, max_migrations: int,
-                 deadline_s: float, max_model_len: int | None) -> None:
+                 deadline_s: float, max_model_len: int | None,
+                 non_streaming: bool = False) -> None:
         self.run = run
         self.tokenize = tokenize
         self.metrics = metrics
@@ -103,16 +111,43 @@ class Migrator:
         self.max_migrations = max_migrations
         self.deadline_s = deadline_s
         self.max_model_len = max_model_len
+        self.non_streaming = non_streaming
 
     def prepare(self, req: ClientRequest) -> str | None:
         """Before the flow runs: None when `req` may migrate (its legs then ask for token
-        ids), else why not (`OFF`: not a stream, or migration is off)."""
-        if not req.stream or self.max_migrations <= 0:
+        ids; a non-streaming one is then served by `answer`), else why not (`OFF`:
+        migration is off, or a non-streaming request that may not or cannot migrate: it
+        keeps the plain non-streaming legs)."""
+        if self.max_migrations <= 0 or not (req.stream or self.non_streaming):
             return OFF
         reason = "no_tokenizer" if self.tokenize is None else declined(req, self.max_model_len)
         if reason is None:
             req.track_ids = True
+        elif not req.stream:
+            return OFF
         return reason
+
+    async def answer(self, req: ClientRequest,
+                     run: Callable[[ClientRequest], Awaitable[bytes | StreamResult]]) -> bytes:
+        """A migratable non-streaming request (`prepare` said None): `run` serves it as a
+        stream the router reads itself, migrated like a client's stream when its decode
+        engine fails mid-generation, and assembled into the one JSON answer the client
+        asked for (router/engines/stream_answer.py). A failure no continuation could
+        repair raises the decode leg's error (502/504), as a non-streaming leg's would."""
+        inner = _as_stream(req)
+        result = await run(inner)
+        if not isinstance(result, StreamResult):
+            return result
+        stream = MigratingStream(self, inner, result)
+        answer = StreamAnswer(req.kind == "chat")
+        chunks = stream.chunks()
+        try:
+            async for piece in chunks:
+                answer.feed(piece)
+        finally:
+            await chunks.aclose()
+            stream.close()
+        return answer.body()
 
     def wrap(self, req: ClientRequest, result: bytes | StreamResult, reason: str | None
              ) -> bytes | StreamResult:
@@ -266,6 +301,16 @@ class MigratingStream:
             raise RouterError("the continuation answered without a stream")
         ev.continue_as(len(prompt))
         return result, "kv" if "prefill" in cont.served_by else "recompute"
+
+
+def _as_stream(req: ClientRequest) -> ClientRequest:
+    """A non-streaming request as the stream its flow runs (`Migrator.answer`): streamed
+    with usage, its token ids tracked; `served_by` is the client request's own dict, so the
+    response headers name the engines that served it."""
+    opts = StreamOptions(include_usage=True)
+    body = {**req.body, "stream": True, "stream_options": {"include_usage": True}}
+    params = msgspec.structs.replace(req.params, stream=True, stream_options=opts)
+    return dataclasses.replace(req, body=body, params=params, track_ids=True)
 
 
 def _continuation(req: ClientRequest, prompt: list[int], budget: int, n: int

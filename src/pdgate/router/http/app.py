@@ -260,7 +260,8 @@ async def _open_model(m: _ModelSetup, pool: EndpointPool, parts: _ModelParts,
                            config.retry_backoff_s)
     pull, pd_flow = await open_flows(config, flow_parts, parts.shared, tokenizer)
     migration = MigrationSettings(parts.shared.migration, config.pd_mode,
-                                  config.max_migrations, config.migration_deadline_s)
+                                  config.max_migrations, config.migration_deadline_s,
+                                  config.migrate_non_streaming)
     orchestrator = Orchestrator(tokenizer, parts.metrics, pull, pd_flow, routing.decider,
                                 tokenize_prompts=m.tokenize_prompts, limits=parts.limits,
                                 migration=migration)

@@ -1,10 +1,12 @@
 """Mid-stream migration with real vLLM 0.32 (pull, NixlConnector): a decode engine killed
-(kill -9) while it streams; the router continues the stream on the other decode engine
+(kill -9) while it streams, or while it generates a non-streaming answer
+(`--migrate-non-streaming`); the router continues the request on the other decode engine
 with P's KV of the prompt plus the generated tokens.
 
 This module starts its OWN second decode engine D2 and kills only that one (the session's
-P, D and REF stay untouched; the `z` makes pytest run this file late). Its router has P,
-and D2 and D round-robin, so a stream lands on D2 within two tries.
+P, D and REF stay untouched; the `z` makes pytest run this file late), restarting it on
+the same port for the next test. Its router has P, and D2 and D round-robin, so a request
+lands on D2 within two tries.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -25,6 +28,7 @@ from tests.vllm.processes import (
     ENGINE_KEY,
     SERVED_NAME,
     Proc,
+    restart,
     start_vllm,
     wait_ready,
 )
@@ -39,8 +43,9 @@ ROUTER_ARGS = [
     "--decode-policy", "round-robin",
     "--health-interval-s", "1", "--health-timeout-s", "1",
     "--prefill-timeout-s", "120", "--decode-first-byte-timeout-s", "180",
-    "--decode-idle-timeout-s", "120", "--max-retries", "1",
+    "--decode-idle-timeout-s", "120", "--max-retries", "1", "--migrate-non-streaming",
 ]
+GENERATED = "vllm:generation_tokens_total"
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +127,80 @@ async def test_decode_engine_killed_mid_stream_is_migrated_with_kv(
           f"kill after {KILL_AFTER} chunks")
     assert external1 - external0 >= colocated.usage.prompt_tokens + KILL_AFTER - 1
     assert local1 - local0 <= BLOCK_SIZE  # at most a block's worth: the tail
+
+
+def _router_sees(router: str, decode: int, timeout: float = 60.0) -> None:
+    """Until the router counts `decode` healthy decode engines."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if httpx.get(router + "/ready", timeout=5).json().get("decode_healthy") == decode:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"the router never saw {decode} decode engines")
+
+
+def _answer(router: str, prompt: str) -> tuple[str, dict[str, int], str]:
+    """A greedy non-streaming completion through `router`: its text, usage and the decode
+    engine its headers name."""
+    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
+            "temperature": 0, **IGNORE_EOS}
+    r = httpx.post(router + "/v1/completions", json=body, timeout=600,
+                   headers={"Authorization": f"Bearer {ENGINE_KEY}"})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert "token_ids" not in choice
+    return choice["text"], r.json()["usage"], r.headers["x-pdgate-decode-engine"]
+
+
+async def _kill_when_generating(victim: Proc, tokens: int, killed: list[float]) -> None:
+    """kill -9 `victim` once it generated `tokens` more tokens (vLLM counts every step)."""
+    base = await asyncio.to_thread(metric, victim.url, GENERATED)
+    while True:
+        now = await asyncio.to_thread(metric, victim.url, GENERATED)
+        if now - base >= tokens:
+            await asyncio.to_thread(_kill_group, victim)
+            killed.append(now - base)
+            return
+        await asyncio.sleep(0.02)
+
+
+async def test_decode_engine_killed_mid_generation_of_a_non_streaming_request(
+        vllm_cluster: VllmCluster, d2: Proc, router: Proc) -> None:
+    c = vllm_cluster
+    victim = d2 if d2.alive() else restart(d2, c.log_dir)
+    try:
+        wait_ready([victim], "/health", ENGINE_START_TIMEOUT_S)
+        _router_sees(router.url, 2)
+        for _ in range(2):  # the (restarted) D2 handshakes with P, without a kill
+            _answer(router.url, unique_prompt(20))
+        migrated0 = metric(router.url, "pdgate_migrations_total", 'mode="pull",result="kv"')
+        external0, local0 = kv_sources(c.d.url)
+        killed: list[float] = []
+        for _ in range(2):  # round-robin: one of two requests lands on D2
+            prompt = unique_prompt(40)
+            killer = asyncio.create_task(_kill_when_generating(victim, KILL_AFTER, killed))
+            text, usage, decode = await asyncio.to_thread(_answer, router.url, prompt)
+            killer.cancel()
+            if killed:
+                break
+        assert killed and decode == victim.url, "no request was served by D2"
+        colocated = complete(c.ref.url, prompt, MAX_TOKENS)
+        assert text == colocated.choices[0].text
+        assert colocated.usage is not None
+        assert {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} \
+            == {"prompt_tokens": colocated.usage.prompt_tokens,
+                "completion_tokens": MAX_TOKENS,
+                "total_tokens": colocated.usage.prompt_tokens + MAX_TOKENS}
+        assert metric(router.url, "pdgate_migrations_total",
+                      'mode="pull",result="kv"') == migrated0 + 1
+        external1, local1 = kv_sources(c.d.url)
+        print(f"\nMIGRATION vllm non-streaming: D2 killed after {killed[0]:.0f} tokens; D "
+              f"external_kv_transfer +{external1 - external0}, local_compute "
+              f"+{local1 - local0}, prompt {colocated.usage.prompt_tokens}")
+        # D loaded the continued prefix (the prompt plus the tokens generated before the
+        # kill) over NIXL and computed only the tail.
+        assert external1 - external0 >= colocated.usage.prompt_tokens + KILL_AFTER - 1
+        assert local1 - local0 <= BLOCK_SIZE
+    finally:
+        if victim is not d2:
+            victim.stop()

@@ -20,6 +20,7 @@ from pdgate.router.errors import (
     EngineUnavailable,
 )
 from pdgate.router.flows.base import StreamResult
+from pdgate.router.flows.migration import OFF
 from pdgate.router.input.schema import ClientRequest
 from tests.router.test_migration import (
     DONE,
@@ -131,6 +132,34 @@ async def test_a_non_streaming_request_migrates_and_gets_one_answer(chat: bool) 
     assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
     assert registry.get_sample_value(
         "pdgate_migrations_total", {"mode": "pull", "result": "kv"}) == 1
+
+
+async def test_an_engine_without_token_ids_gets_the_plain_retry_from_the_start() -> None:
+    legs = _Legs()
+    registry = CollectorRegistry()
+    m = _migrator(legs, registry, non_streaming=True)
+    req = _req({"stream": False, "max_tokens": 4})
+    assert m.prepare(req) is None
+    runs: list[ClientRequest] = []
+
+    async def run(r: ClientRequest) -> bytes | StreamResult:
+        runs.append(r)
+        if r.stream:  # text without ids, then the engine dies
+            untracked = _completion("a", [5]).replace(b', "token_ids": [5]', b"")
+            return StreamResult(_leg(untracked, ERROR, DONE), lambda: None)
+        return b'{"plain": true}'
+
+    assert await m.answer(req, run) == b'{"plain": true}'
+    assert [r.stream for r in runs] == [True, False]
+    assert not req.track_ids and not legs.requests  # no continuation, no ids asked
+    assert registry.get_sample_value("pdgate_migrations_declined_total",
+                                     {"reason": "no_token_ids"}) == 1
+
+
+def test_non_streaming_requests_with_stream_options_keep_the_plain_path() -> None:
+    m = _migrator(_Legs(), CollectorRegistry(), non_streaming=True)
+    assert m.prepare(_req({"stream": False, "stream_options": {"include_usage": True}})) \
+        == OFF
 
 
 async def test_a_non_streaming_request_whose_migration_gives_up_gets_the_error() -> None:

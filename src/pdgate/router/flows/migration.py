@@ -120,6 +120,8 @@ class Migrator:
         keeps the plain non-streaming legs)."""
         if self.max_migrations <= 0 or not (req.stream or self.non_streaming):
             return OFF
+        if not req.stream and req.body.get("stream_options") is not None:
+            return OFF  # the engine's to refuse (stream options without a stream)
         reason = "no_tokenizer" if self.tokenize is None else declined(req, self.max_model_len)
         if reason is None:
             req.track_ids = True
@@ -133,7 +135,10 @@ class Migrator:
         stream the router reads itself, migrated like a client's stream when its decode
         engine fails mid-generation, and assembled into the one JSON answer the client
         asked for (router/engines/stream_answer.py). A failure no continuation could
-        repair raises the decode leg's error (502/504), as a non-streaming leg's would."""
+        repair raises the decode leg's error (502/504), as a non-streaming leg's would;
+        one the router could not continue because the engine listed no token ids is
+        served again from the start, plainly, as it would have been without migration
+        (the client has seen nothing yet)."""
         inner = _as_stream(req)
         result = await run(inner)
         if not isinstance(result, StreamResult):
@@ -147,6 +152,12 @@ class Migrator:
         finally:
             await chunks.aclose()
             stream.close()
+        if answer.error is not None and stream.untracked:
+            req.track_ids = False  # the plain answer is the engine's, counted as such
+            plain = await run(req)
+            if isinstance(plain, bytes):
+                return plain
+            plain.close()
         return answer.body()
 
     def wrap(self, req: ClientRequest, result: bytes | StreamResult, reason: str | None
@@ -182,6 +193,11 @@ class MigratingStream:
         self._record = request_context.current()
         self._served = req.served_by  # the open leg's engines
         self._avoid: frozenset[str] = frozenset()  # decode engines that failed this stream
+
+    @property
+    def untracked(self) -> bool:
+        """A leg's chunks listed no token ids (see `ResumeEvents.untracked`)."""
+        return self._events.untracked
 
     def close(self) -> None:
         leg, self._leg = self._leg, None

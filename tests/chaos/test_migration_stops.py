@@ -1,6 +1,7 @@
 """Streams with stop strings, migrated: a real 1P2D cluster (shim engines, NIXL, router) on
-loopback, `kill -9` of a decode engine while 20 streams run, every stream with a stop string
-placed around the point where the kill falls (router/engines/resume_text.py).
+loopback, in every P/D mode, `kill -9` of a decode engine while 20 streams run, every stream
+with a stop string placed around the point where the kill falls
+(router/engines/resume_text.py).
 
 - `after`: the stop string (excluded from the text, so the engines hold back its length
   less one character) lies beyond the kill: the continuation's engine must find it.
@@ -173,7 +174,9 @@ async def _run(url: str, stops: dict[str, tuple[dict[str, Any], int]], victim: E
 
 
 @pytest.mark.parametrize("kind", ["after", "across"])
-def test_stop_strings_of_migrated_streams(kind: str, engines: tuple[list[Engine], int],
+@pytest.mark.parametrize("mode", ["pull", "notify", "push"])
+def test_stop_strings_of_migrated_streams(mode: str, kind: str,
+                                          engines: tuple[list[Engine], int],
                                           tiny_model_dir: Path) -> None:
     started, port = engines
     for e in started:
@@ -183,15 +186,15 @@ def test_stop_strings_of_migrated_streams(kind: str, engines: tuple[list[Engine]
     decode = [e for e in started if e.role == "decode"]
     stops = _stops(decode[0].url, kind)
     want = {p: _direct(decode[0].url, p, stops[p][0]) for p in PROMPTS}
-    cluster = start_router(started, port, tiny_model_dir, "pull")
+    cluster = start_router(started, port, tiny_model_dir, mode)
     victim = decode[0]
     try:
         seen, killed = asyncio.run(_run(cluster.url, stops, victim))
         assert killed, "no stream was served by the victim"
         router_log = (cluster.log_dir / "router.log").read_text(errors="replace")
-        kv = metric(cluster.url, "pdgate_migrations_total", 'mode="pull",result="kv"')
+        kv = metric(cluster.url, "pdgate_migrations_total", f'mode="{mode}",result="kv"')
         across = router_log.count(ACROSS_LOG)
-        print(f"\nMIGRATION stops={kind} on_victim="
+        print(f"\nMIGRATION mode={mode} stops={kind} on_victim="
               f"{sum(s.decode == victim.url for s in seen.values())} migrations_kv={kv} "
               f"router_stops={across}")
         for p, s in seen.items():

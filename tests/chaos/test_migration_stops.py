@@ -6,7 +6,7 @@ with a stop string placed around the point where the kill falls
 - `after`: the stop string (excluded from the text, so the engines hold back its length
   less one character) lies beyond the kill: the continuation's engine must find it.
 - `across`: the stop string (`include_stop_str_in_output`: nothing held back) begins just
-  before the text the victim's first stream has when the kill fires and runs 24 characters
+  before the text the victim's first stream has when the kill fires and runs 40 characters
   on: the continuation keeps part of it, its engine never sees it whole, and the router
   must end the stream there.
 
@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 
 N_STREAMS = 20
 MAX_TOKENS = 64
-ACROSS_LEN = 24
+ACROSS_LEN = 40
 PROMPTS = [f"Stream {i} stops somewhere in the middle of what the tiny model says." for i in
            range(N_STREAMS)]
 CHAT = frozenset(PROMPTS[3::4])
@@ -120,19 +120,20 @@ def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 
 
 def _stops(url: str, kind: str) -> dict[str, tuple[dict[str, Any], int]]:
-    """Per prompt: its stop fields and the event after which the kill may fire (half-way
-    through its stream without a stop string)."""
+    """Per prompt: its stop fields and the event after which the kill may fire (a third of
+    the way through its stream without a stop string; the client reads behind the router,
+    so the victim has sent more by the time it dies)."""
     out = {}
     for prompt in PROMPTS:
         plain = _direct(url, prompt, {})
-        k = len(plain.texts) // 2
+        k = len(plain.texts) // 3
         full, at = plain.text, len(plain.texts[k - 1])
         if kind == "across":
             start = max(0, at - 2)
             stop = {"stop": [full[start:start + ACROSS_LEN]],
                     "include_stop_str_in_output": True}
-        else:  # four characters that first occur 20 or more characters after the kill
-            start = next(i for i in range(at + 20, len(full) - 4)
+        else:  # four characters that first occur in the last third, well after the kill
+            start = next(i for i in range(max(at + 20, 2 * len(full) // 3), len(full) - 4)
                          if full.find(full[i:i + 4]) == i)
             stop = {"stop": [full[start:start + 4], "never in this text"]}
         out[prompt] = stop, k
@@ -186,12 +187,14 @@ def test_stop_strings_of_migrated_streams(mode: str, kind: str,
     decode = [e for e in started if e.role == "decode"]
     stops = _stops(decode[0].url, kind)
     want = {p: _direct(decode[0].url, p, stops[p][0]) for p in PROMPTS}
+    log = started[0].log.parent / "router.log"  # every router of the module appends to it
+    log_from = log.stat().st_size if log.exists() else 0
     cluster = start_router(started, port, tiny_model_dir, mode)
     victim = decode[0]
     try:
         seen, killed = asyncio.run(_run(cluster.url, stops, victim))
         assert killed, "no stream was served by the victim"
-        router_log = (cluster.log_dir / "router.log").read_text(errors="replace")
+        router_log = log.read_bytes()[log_from:].decode(errors="replace")
         kv = metric(cluster.url, "pdgate_migrations_total", f'mode="{mode}",result="kv"')
         across = router_log.count(ACROSS_LOG)
         print(f"\nMIGRATION mode={mode} stops={kind} on_victim="

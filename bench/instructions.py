@@ -10,13 +10,15 @@ same code agree within ~1 %, so commits can be compared on a loaded 2-core machi
 timings (bench/peers.py) cannot.
 
     python bench/instructions.py [--root DIR ...] [--words 200,2000]
-                                 [--formats json,sse,json-migrating]
+                                 [--formats json,sse,json-migrating,sse-migrating]
                                  [--policies round-robin,round-robin-dp2]
                                  [--requests 400] [--warmup 200] [--connections 4]
 
 `--formats json-migrating` measures a non-streaming request that mid-stream migration
 serves as a stream (`--migrate-non-streaming`, a router with a tokenizer; its decode engine
-lists token ids per chunk); `json` is the same request served plainly.
+lists token ids per chunk); `json` is the same request served plainly. `sse-migrating`: a
+stream that may migrate (a router with a tokenizer: on by default), its decode engine
+listing token ids; `sse` is a stream with neither.
 
 Needs valgrind (apt-get install valgrind) and nginx (as bench/peers.py).
 """
@@ -77,7 +79,8 @@ def measure(root: Path, ports: dict[str, int], fmt: str, words: int, policy: str
     policy (bench/peers.py's names: round-robin, round-robin-dp2, cache-aware)."""
     port = peers.free_port()
     out = tmp / f"cg-{root.name}-{fmt}-{words}-{policy}.out"
-    migrating = fmt == "json-migrating"
+    migrating = fmt.endswith("-migrating")
+    stream = fmt.startswith("sse")
     decode = ports["sse-ids"] if migrating else ports[fmt]
     argv = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
             f"--callgrind-out-file={out}",
@@ -88,9 +91,9 @@ def measure(root: Path, ports: dict[str, int], fmt: str, words: int, policy: str
     env = {**peers.pdgate_env(root), "PYTHONHASHSEED": "0"}
     proc = peers.spawn(argv, None, tmp / f"{out.name}.log", env=env, cwd=root)
     try:
-        peers.wait_serving(port, proc, stream=fmt == "sse", timeout=300.0)
+        peers.wait_serving(port, proc, stream=stream, timeout=300.0)
         body = json.dumps({"model": "pdgate-tiny", "prompt": peers.prompt_of(words),
-                           "max_tokens": peers.MAX_TOKENS, "stream": fmt == "sse"}).encode()
+                           "max_tokens": peers.MAX_TOKENS, "stream": stream}).encode()
         send(port, body, args.warmup, args.connections)
         subprocess.run(["callgrind_control", "-i", "on", str(proc.pid)], check=True,
                        capture_output=True)
@@ -125,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--formats", default="json,sse",
                    help="comma-separated: json, sse, json-migrating (a non-streaming request "
                         "to a router with --migrate-non-streaming and a tokenizer: served as "
-                        "a stream listing token ids, which the router assembles)")
+                        "a stream listing token ids, which the router assembles), "
+                        "sse-migrating (a stream that may migrate, its ids listed)")
     p.add_argument("--policies", default="round-robin",
                    help="comma-separated, bench/peers.py's: round-robin, round-robin-dp2 "
                         "(every engine as 2 DP ranks: the cost of rank pinning), cache-aware")

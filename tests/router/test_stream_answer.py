@@ -6,7 +6,9 @@ Engines killed mid-generation under real processes: tests/chaos/test_migration.p
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
@@ -175,3 +177,27 @@ async def test_a_non_streaming_request_whose_migration_gives_up_gets_the_error()
     with pytest.raises(EngineError, match="engine reset"):
         await m.answer(req, run)
     assert len(legs.requests) == 2  # --max-migrations continuations tried
+
+
+async def test_a_client_that_leaves_closes_the_decode_leg() -> None:
+    m = _migrator(_Legs(), CollectorRegistry(), non_streaming=True)
+    req = _req({"stream": False, "max_tokens": 4})
+    assert m.prepare(req) is None
+    closed: list[bool] = []
+    started = asyncio.Event()
+
+    async def endless() -> AsyncGenerator[bytes, None]:
+        yield _completion("a", [5])
+        started.set()
+        await asyncio.Event().wait()  # the engine generates on
+        yield b""
+
+    async def run(inner: ClientRequest) -> bytes | StreamResult:
+        return StreamResult(endless(), lambda: closed.append(True))
+
+    task = asyncio.create_task(m.answer(req, run))
+    await started.wait()
+    task.cancel()  # the client disconnected (router/http/api.py `until_disconnected`)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert closed == [True]

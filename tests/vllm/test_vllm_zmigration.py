@@ -17,6 +17,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -139,17 +140,22 @@ def _router_sees(router: str, decode: int, timeout: float = 60.0) -> None:
     raise AssertionError(f"the router never saw {decode} decode engines")
 
 
-def _answer(router: str, prompt: str) -> tuple[str, dict[str, int], str]:
-    """A greedy non-streaming completion through `router`: its text, usage and the decode
-    engine its headers name."""
+def _post(url: str, prompt: str) -> httpx.Response:
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": MAX_TOKENS,
             "temperature": 0, **IGNORE_EOS}
-    r = httpx.post(router + "/v1/completions", json=body, timeout=600,
+    r = httpx.post(url + "/v1/completions", json=body, timeout=600,
                    headers={"Authorization": f"Bearer {ENGINE_KEY}"})
     assert r.status_code == 200, r.text
+    return r
+
+
+def _answer(router: str, prompt: str) -> tuple[str, dict[str, Any], str]:
+    """A greedy non-streaming completion through `router`: its text, the whole answer and
+    the decode engine its headers name."""
+    r = _post(router, prompt)
     choice = r.json()["choices"][0]
-    assert "token_ids" not in choice
-    return choice["text"], r.json()["usage"], r.headers["x-pdgate-decode-engine"]
+    assert choice.get("token_ids") is None
+    return choice["text"], r.json(), r.headers["x-pdgate-decode-engine"]
 
 
 async def _kill_when_generating(victim: Proc, tokens: int, killed: list[float]) -> None:
@@ -179,7 +185,7 @@ async def test_decode_engine_killed_mid_generation_of_a_non_streaming_request(
         for _ in range(2):  # round-robin: one of two requests lands on D2
             prompt = unique_prompt(40)
             killer = asyncio.create_task(_kill_when_generating(victim, KILL_AFTER, killed))
-            text, usage, decode = await asyncio.to_thread(_answer, router.url, prompt)
+            text, answer, decode = await asyncio.to_thread(_answer, router.url, prompt)
             killer.cancel()
             if killed:
                 break
@@ -187,6 +193,15 @@ async def test_decode_engine_killed_mid_generation_of_a_non_streaming_request(
         colocated = complete(c.ref.url, prompt, MAX_TOKENS)
         assert text == colocated.choices[0].text
         assert colocated.usage is not None
+        # The answer reads as vLLM's own non-streaming one: no field vLLM does not send,
+        # the same object, finish_reason and kind of id.
+        own = _post(c.ref.url, prompt).json()
+        assert answer.keys() <= own.keys(), (answer.keys(), own.keys())
+        assert answer["choices"][0].keys() <= own["choices"][0].keys()
+        assert answer["object"] == own["object"] == "text_completion"
+        assert answer["choices"][0]["finish_reason"] == own["choices"][0]["finish_reason"]
+        assert answer["id"].startswith("cmpl-") and answer["model"] == own["model"]
+        usage = answer["usage"]
         assert {k: usage[k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} \
             == {"prompt_tokens": colocated.usage.prompt_tokens,
                 "completion_tokens": MAX_TOKENS,

@@ -95,7 +95,9 @@ def prediction(ratio_buckets: dict[str, float]) -> dict[str, float | None]:
     if not total:
         return {"within_25pct": None, "median_ratio": None, "observed": 0}
     median = next(le for le in sorted(by_le) if by_le[le] >= total / 2)
-    return {"within_25pct": (by_le[1.25] - by_le[0.75]) / total, "median_ratio_le": median,
+    # `delta` leaves out buckets that did not grow: their count in this phase is 0.
+    within = by_le.get(1.25, 0.0) - by_le.get(0.75, 0.0)
+    return {"within_25pct": within / total, "median_ratio_le": median,
             "observed": total}
 
 

@@ -208,6 +208,21 @@ def test_stop_strings_are_picked_and_cut_as_vllm_does(shim: Shim) -> None:
             assert len([e for e in events[:-1] if e["choices"][0]["text"]]) > 1
 
 
+def test_a_stream_with_token_ids_has_a_chunk_per_token_as_vllm(shim: Shim) -> None:
+    """vLLM 0.32 with `return_token_ids`: one chunk per token listing its id, its text empty
+    while held back (here: the last len(stop) - 1 characters, for a stop string)."""
+    kw = {"max_tokens": 12, "stop": ["never-seen"], "return_token_ids": True}
+    whole = complete(shim, "Numbers: 0 1 2", **kw)["choices"][0]
+    events = stream_events(shim, "/v1/completions", {
+        "model": MODEL, "prompt": "Numbers: 0 1 2", "temperature": 0, "ignore_eos": True,
+        "stream": True, **kw})
+    choices = [e["choices"][0] for e in events[:-1]]
+    assert [len(c["token_ids"]) for c in choices] == [1] * 12
+    assert [i for c in choices for i in c["token_ids"]] == whole["token_ids"]
+    assert "".join(c["text"] for c in choices) == whole["text"]
+    assert choices[0]["text"] == ""  # held back: the text is shorter than the stop string
+
+
 def test_stop_token_ids_and_min_tokens(shim: Shim, tokenizer: Any, hf_greedy: Any) -> None:
     prompt_ids = tokenizer.encode("Hello")
     greedy = hf_greedy(prompt_ids, 6)

@@ -8,8 +8,8 @@ once its character is whole (tokenizers' DecodeStream holds a partial one back),
 `include_stop_str_in_output`), a match cuts the text at its start (its end when included)
 and finishes with "stop", the earliest-ending match wins. Styles: `vllm`, a chunk per token
 (empty text when held back); `merged`, vLLM's when its reader lags (the output collector
-merges two outputs into one chunk); `shim`, a chunk only when there is text, listing every
-id since the last one.
+merges two outputs into one chunk); `grouped`, a chunk only when there is text, listing
+every id since the last one (the shim before it streamed as vLLM does).
 
 Every test kills the leg after each possible number of chunks (and the continuation after
 each possible number again) and checks what the client gets against the uninterrupted
@@ -50,9 +50,9 @@ class Chunk:
 
 
 def engine(pieces: list[bytes], first: int, rule: StopRule, style: str) -> list[Chunk]:
-    """A greedy run that generates `pieces[first:]` (token i's bytes) as vLLM / the shim
-    stream it (`style`); its text starts where `pieces[first]` does."""
-    per_token = style != "shim"
+    """A greedy run that generates `pieces[first:]` (token i's bytes) streamed in `style`;
+    its text starts where `pieces[first]` does."""
+    per_token = style != "grouped"
     raw, text, sent, ids, out = b"", "", 0, [], []
     for i in range(first, len(pieces)):
         ids.append(ID0 + i)
@@ -204,7 +204,7 @@ SCENARIOS = {
 }
 
 
-@pytest.mark.parametrize("style", ["vllm", "merged", "shim"])
+@pytest.mark.parametrize("style", ["vllm", "merged", "grouped"])
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_every_cut_gives_the_uninterrupted_stream(name: str, style: str) -> None:
     pieces, rule = SCENARIOS[name]
@@ -231,7 +231,7 @@ def test_every_cut_gives_the_uninterrupted_stream(name: str, style: str) -> None
         assert not stops_here, f"{name}: the router found a match the engine had checked"
 
 
-@pytest.mark.parametrize("style", ["vllm", "merged", "shim"])
+@pytest.mark.parametrize("style", ["vllm", "merged", "grouped"])
 @pytest.mark.parametrize("name", ["across", "multibyte", "include_two", "earliest_end"])
 def test_a_continuation_that_dies_too_gives_the_uninterrupted_stream(
         name: str, style: str) -> None:
@@ -341,10 +341,9 @@ class _Leg:
         self.closed = True
 
 
-async def test_the_leg_is_closed_at_a_stop_string_across_the_cut() -> None:
+def _include_migrator(cont: list[_Leg]) -> Migrator:
+    """A migrator whose continuations stream the "include" scenario after their cut."""
     pieces, rule = SCENARIOS["include"]
-    first = engine(pieces, 0, rule, "vllm")
-    cont: list[_Leg] = []
 
     async def run(req: ClientRequest, t0: float) -> StreamResult:
         kept = len(req.body["prompt"]) - PROMPT
@@ -356,8 +355,36 @@ async def test_the_leg_is_closed_at_a_stop_string_across_the_cut() -> None:
     async def tokenize(req: ClientRequest) -> None:
         req.prompt_token_ids = list(range(PROMPT))
 
-    m = Migrator(run, tokenize, MigrationMetrics.create(CollectorRegistry()), "pull",
-                 max_migrations=2, deadline_s=30, max_model_len=None)
+    return Migrator(run, tokenize, MigrationMetrics.create(CollectorRegistry()), "pull",
+                    max_migrations=2, deadline_s=30, max_model_len=None, non_streaming=True)
+
+
+async def test_a_non_streaming_answer_stops_across_the_cut() -> None:
+    pieces, rule = SCENARIOS["include"]
+    first = engine(pieces, 0, rule, "vllm")
+    cont: list[_Leg] = []
+    m = _include_migrator(cont)
+    req = _req({"max_tokens": len(pieces), "temperature": 0, "stop": "STOP",
+                "include_stop_str_in_output": True, "stream": False})
+    assert m.prepare(req) is None
+
+    async def run(inner: ClientRequest) -> StreamResult:
+        leg0 = _Leg(b"".join(sse(c) for c in first[:4]) + ERROR)
+        return StreamResult(leg0.chunks(), leg0.close)
+
+    body = json.loads(await m.answer(req, run))
+    choice = body["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (
+        "One two STOP", "stop", "STOP")
+    assert body["usage"]["completion_tokens"] == 6
+    assert len(cont) == 1 and cont[0].closed and not cont[0].finished
+
+
+async def test_the_leg_is_closed_at_a_stop_string_across_the_cut() -> None:
+    pieces, rule = SCENARIOS["include"]
+    first = engine(pieces, 0, rule, "vllm")
+    cont: list[_Leg] = []
+    m = _include_migrator(cont)
     req = _req({"max_tokens": len(pieces), "temperature": 0, "stop": "STOP",
                 "include_stop_str_in_output": True,
                 "stream_options": {"include_usage": True}})

@@ -100,6 +100,9 @@ class GenerateRequest:
     first_token_ids: tuple[int, ...] = ()
     continue_after_prefill: bool = False
     model: str = ""
+    # An output for every token, with empty text while its text is held back (vLLM 0.32's
+    # stream with `return_token_ids`: each chunk lists its one token's id).
+    every_token: bool = False
 
     @property
     def continues_stream(self) -> bool:
@@ -272,7 +275,8 @@ class Sequence:
             end -= max(len(s) for s in self.req.stop) - 1
         delta = self._text[self._emitted : end] if end > self._emitted else ""
         self._emitted = max(self._emitted, end)
-        if not delta and not self.finished:
+        if not delta and not self.finished and not (
+                self.req.every_token and self._ids_out < len(self.token_ids)):
             return None
         return self.output(delta)
 

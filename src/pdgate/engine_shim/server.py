@@ -277,6 +277,7 @@ def _generate_request(
         first_token_ids=ot.first_token_ids(kv, engine.model.config.vocab_size, budget),
         continue_after_prefill=isinstance(leg, PushDecodeParams) and leg.continue_after_prefill,
         model=req.model or names[0],
+        every_token=req.stream and req.return_token_ids,
     )
     return gen, req.model or names[0]
 
@@ -323,9 +324,9 @@ async def _sse_events(
     stream: RequestStream, head: ot.ReplyHead, chat: bool, resumed: bool,
     prompt_ids: list[int] | None = None,
 ) -> AsyncIterator[bytes]:
-    """The SSE answer; `prompt_ids` (`return_token_ids`): every chunk lists its token ids
-    and the first the prompt's, as vLLM 0.32 does (chat: at the top level of the role
-    chunk; completions: in the first chunk's choice)."""
+    """The SSE answer; `prompt_ids` (`return_token_ids`): a chunk per token listing its id
+    (empty text while the text is held back) and the first the prompt's, as vLLM 0.32 does
+    (chat: at the top level of the role chunk; completions: in the first chunk's choice)."""
     final: StepOutput | None = None
     ids = prompt_ids is not None
     async with stream:
@@ -337,8 +338,9 @@ async def _sse_events(
         try:
             async for out in stream:
                 final = out
-                if not out.text and out.finish_reason is None:
-                    continue
+                if not out.text and out.finish_reason is None and not (
+                        ids and out.new_token_ids):
+                    continue  # a chunk of ids alone only when they are asked for
                 chunk = head.chunk(chat, [ot.stream_choice(chat, out, token_ids=ids)])
                 if prompt_ids is not None:
                     chunk["choices"][0]["prompt_token_ids"], prompt_ids = prompt_ids, None

@@ -7,8 +7,9 @@ What the engines send. vLLM 0.32 (`BaseIncrementalDetokenizer`: `stop_buffer_len
 characters of a request's text while it runs (none without stop strings or with
 `include_stop_str_in_output`), and the text of a token that ends inside a multi-byte
 character until the character is whole; the held text comes with the final chunk. The ids
-are not held: vLLM lists each token's id in a chunk of its own, with empty text if need
-be; the shim lists them with the next chunk that has text. So the client's text does not
+are not held: both list each token's id in a chunk of its own, with empty text if need be
+(an engine that listed held-back ids with its next chunk of text would be read alike: such
+a chunk of several tokens is no mark, below). So the client's text does not
 end where its tokens do, but one thing is exact: when a chunk listing exactly one id has
 text, that token ended on a whole character (the text grew with it) and the engine's text
 of every token so far is `hold` characters longer than what it has sent. Such a point is a

@@ -18,10 +18,12 @@ _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host
 
 @dataclass
 class Leg:
-    """One request the relay passed on: its path and JSON body (None: not JSON)."""
+    """One request the relay passed on: its path, JSON body (None: not JSON) and headers
+    (names lowercased: HTTP names are case-insensitive)."""
 
     path: str
     body: Any
+    headers: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -39,9 +41,10 @@ class Relay:
         raw = await request.read()
         body = await request.json() if request.content_type == "application/json" and raw \
             else None
-        self.legs.append(Leg(request.path, body))
+        self.legs.append(Leg(request.path, body,
+                             {k.lower(): v for k, v in request.headers.items()}))
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s, \
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s, \
                 s.request(request.method, self.upstream + request.path_qs, data=raw,
                           headers=headers) as up:
             out = web.StreamResponse(status=up.status, headers={

@@ -164,7 +164,10 @@ def test_models_and_ready_follow_one_pool_going_down(fleet: Fleet) -> None:
         cards = {c["id"]: c for c in httpx.get(fleet.router + "/v1/models",
                                                timeout=5).json()["data"]}
         assert cards["tiny"]["ready"] is True and cards["tiny-b"]["ready"] is False
-        assert cards["tiny"]["root"] == "tiny" and cards["tiny"]["parent"] is None
+        # `root` as the model's engines report it (the shim: the directory it loaded).
+        own = httpx.get(fleet.engines["a-decode"].url + "/v1/models", timeout=5).json()
+        assert cards["tiny"]["root"] == own["data"][0]["root"]
+        assert cards["tiny"]["root"].endswith("/tiny") and cards["tiny"]["parent"] is None
         # The other model keeps serving; the one without engines is a clear 503.
         assert _text(complete(fleet.router, "Hello", 4, model="tiny"))
         down = httpx.post(fleet.router + "/v1/completions", timeout=30,

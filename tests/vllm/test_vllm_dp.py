@@ -12,22 +12,18 @@ The module starts its own engines, one mode at a time.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import threading
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 import httpx
 import pytest
-from aiohttp import web
 
 from pdgate.router.dp_ranks import RANK_HEADER, dp_size_of_metrics
 from tests.e2e.cluster import metric
+from tests.e2e.relay import Leg, running_relays
 from tests.vllm.conftest import ENGINE_START_TIMEOUT_S, LOG_DIR
 from tests.vllm.processes import (
     NIXL_CONNECTOR,
@@ -66,87 +62,6 @@ ROUTER_ARGS = [
     "--prefill-timeout-s", "120", "--decode-first-byte-timeout-s", "180",
     "--kv-ready-timeout-s", "60", "--max-retries", "1",
 ]
-_HOP = {"host", "content-length", "transfer-encoding", "connection"}
-
-
-@dataclass
-class Leg:
-    """One request the relay passed on: its headers and JSON body (None: not JSON)."""
-
-    path: str
-    headers: dict[str, str]
-    body: Any
-
-
-@dataclass
-class Relay:
-    """An HTTP relay in front of one engine that records every request it passes on."""
-
-    upstream: str
-    legs: list[Leg] = field(default_factory=list)
-    url: str = ""
-
-    def completions(self) -> list[Leg]:
-        return [leg for leg in self.legs if leg.path.endswith("completions")]
-
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
-        raw = await request.read()
-        body: Any = None
-        if request.content_type == "application/json" and raw:
-            body = await request.json()
-        # Header names lowercased: HTTP names are case-insensitive (the router sends them
-        # lowercase).
-        self.legs.append(Leg(request.path, {k.lower(): v for k, v in request.headers.items()},
-                             body))
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
-        timeout = aiohttp.ClientTimeout(total=600)
-        async with aiohttp.ClientSession(timeout=timeout) as session, session.request(
-                request.method, self.upstream + request.path_qs, data=raw,
-                headers=headers) as up:
-            out = web.StreamResponse(status=up.status, headers={
-                k: v for k, v in up.headers.items() if k.lower() not in _HOP})
-            await out.prepare(request)
-            async for chunk in up.content.iter_any():
-                await out.write(chunk)
-            await out.write_eof()
-            return out
-
-
-@contextlib.contextmanager
-def running_relays(*upstreams: str) -> Iterator[list[Relay]]:
-    """One relay per upstream URL, served on loopback from a thread of their own."""
-    relays = [Relay(u) for u in upstreams]
-    loop = asyncio.new_event_loop()
-    runners: list[web.AppRunner] = []
-
-    async def start() -> None:
-        for relay in relays:
-            app = web.Application(client_max_size=64 * 2**20)
-            app.router.add_route("*", "/{tail:.*}", relay._handle)
-            runner = web.AppRunner(app, access_log=None)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-            relay.url = f"http://127.0.0.1:{port}"
-            runners.append(runner)
-
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    asyncio.run_coroutine_threadsafe(start(), loop).result(30)
-    try:
-        yield relays
-    finally:
-        async def stop() -> None:
-            for runner in runners:
-                await runner.cleanup()
-
-        asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-
-
 @dataclass
 class Engines:
     p: Proc  # DP 2, cores 0 and 1; also the colocated reference

@@ -194,6 +194,10 @@ SCENARIOS = {
                   StopRule(("éjà",))),
     "multibyte_include": (tokens("\u00fcber", b"\xf0\x9f", b"\x98", b"\x80", " x", " y",
                                  " z"), StopRule(("r😀", "x y"), include=True)),
+    # The token completing the match also begins a split character: its text (and so the
+    # match) appears with the next token, for the engine as for the router.
+    "split_after_match": (tokens("x", "a", b"b\xc3", b"\xa9c", "d", "e"),
+                          StopRule(("ab",), include=True)),
     # Never matches: the held-back text must come out whole.
     "no_match": (tokens("Hello", " wor", "ld", ",", " how", " are", " you"),
                  StopRule(("never", "zz"))),
@@ -217,10 +221,9 @@ def test_every_cut_gives_the_uninterrupted_stream(name: str, style: str) -> None
         where = f"{name}: died after {k} chunks"
         assert (seen.text, seen.finish, seen.stop_reason) == (
             want.text, want.finish, want.stop_reason), where
-        # Billed: every token the engines generated for the text (a match found here may
-        # end before the last of them; the continuation's tail is not billed twice).
-        assert seen.completion_tokens is not None, where
-        assert generated <= seen.completion_tokens <= len(pieces), where
+        # Billed as one run: a match found here appears with the token completing it
+        # (nothing held back), so the tokens relayed are the tokens it had.
+        assert seen.completion_tokens == generated, where
         stops_here += seen.router_stop
     # With the hold no match can span a cut the client has (resume_text's doc); without
     # it (included stop strings) some cut leaves a match half in the kept prefix (merged

@@ -304,13 +304,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end -}}
 {{- with .Values.engines.autoscaling -}}
 {{- if .enabled -}}
-{{- if $.Values.models -}}
-{{- fail "engines.autoscaling: scales the one model's pools; with models it is not supported yet (set each model's replicas)" -}}
-{{- end -}}
 {{- $decider := index $.Values.router.config "decider" | default "measured-cost" -}}
 {{- if eq (kindOf $decider) "map" -}}{{- $decider = $decider.type -}}{{- end -}}
 {{- if ne $decider "measured-cost" -}}
 {{- fail "engines.autoscaling: the capacity signal comes from the measured-cost decider; router.config.decider must be measured-cost (or unset)" -}}
+{{- end -}}
+{{- range $i, $m := $.Values.models -}}
+{{- $own := index (default dict $m.routerConfig) "decider" | default "measured-cost" -}}
+{{- if eq (kindOf $own) "map" -}}{{- $own = $own.type -}}{{- end -}}
+{{- if ne $own "measured-cost" -}}
+{{- fail (printf "engines.autoscaling: the capacity signal comes from the measured-cost decider; models[%d].routerConfig.decider must be measured-cost (or unset)" $i) -}}
+{{- end -}}
 {{- end -}}
 {{- range $role := list "prefill" "decode" -}}
 {{- $cfg := index $.Values.engines.autoscaling $role -}}

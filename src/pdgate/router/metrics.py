@@ -448,6 +448,8 @@ class StreamUsage:
         """Note the usage in `lines` (whole SSE lines, as relayed), if any."""
         if b'"usage"' not in lines:
             return
+        # From the first line that mentions it: a piece may hold many chunks before it.
+        lines = lines[lines.rfind(b"\n", 0, lines.find(b'"usage"')) + 1:]
         for line in lines.split(b"\n"):
             if line.startswith(_DATA) and b'"usage"' in line:
                 answer = _read_answer(line[len(_DATA):])

@@ -174,51 +174,66 @@ class ResumeEvents:
             return b""
         return self._chunk(obj)
 
+    # Per chunk of a stream (the router's hot path while a stream may migrate): absent keys
+    # are tested with `in` rather than popped with a default, a call less each.
     def _chunk(self, obj: dict[str, Any]) -> bytes:
-        obj.pop("prompt_token_ids", None)
-        obj.pop("prompt_text", None)
-        if self.head is None:
-            self.head = Head(obj.get("id"), obj.get("created"), obj.get("model"),
-                             obj.get("object") == "chat.completion.chunk")
+        if "prompt_token_ids" in obj:
+            del obj["prompt_token_ids"]
+        if "prompt_text" in obj:
+            del obj["prompt_text"]
+        head = self.head
+        if head is None:
+            head = self.head = Head(obj.get("id"), obj.get("created"), obj.get("model"),
+                                    obj.get("object") == "chat.completion.chunk")
         choices = obj.get("choices") or []
         listed = keep = False
         for c in choices:
             ids, kept = self._choice(c)
             listed, keep = listed or ids, keep or kept
         if self._leg:
-            assert self.head is not None
-            obj = self.head.rewrite(obj)
+            obj = head.rewrite(obj)
         if not choices and obj.get("usage"):
             return self._usage(obj)
         if listed and not keep:
             return b""  # only there to list ids the client did not ask for
-        return self._opening() + _DATA + _encode(obj) + b"\n\n"
+        if self._open_chat:
+            return self._opening() + _DATA + _encode(obj) + b"\n\n"
+        return _DATA + _encode(obj) + b"\n\n"
 
     def _choice(self, c: dict[str, Any]) -> tuple[bool, bool]:
         """Reads one choice's ids and text and puts the client's text in place of the
         engine's; (it listed ids, the client needs it)."""
         ids = c.pop("token_ids", None) or []
-        c.pop("prompt_token_ids", None)
-        self.ids.extend(ids)
-        got = c.get("delta")
-        delta: dict[str, Any] = got if isinstance(got, dict) else {}
-        chat = "text" not in c and isinstance(got, dict)
-        text = (delta.get("content") if chat else c.get("text")) or ""
-        self.untracked = self.untracked or (bool(text) and not ids)
+        if "prompt_token_ids" in c:
+            del c["prompt_token_ids"]
+        if ids:
+            self.ids.extend(ids)
+        delta: dict[str, Any] | None = None
+        if "text" in c:  # a completion's choice
+            text = c["text"] or ""
+        else:
+            got = c.get("delta")
+            if isinstance(got, dict):  # a chat chunk's
+                delta = got
+            text = (delta.get("content") or "") if delta is not None else ""
+        if text and not ids:
+            self.untracked = True
         finish = c.get("finish_reason")
-        out = self.text.take(text, len(ids), len(self.ids), finish is not None)
-        if self.text.stop is not None:  # a stop string across the cut ends it here
+        st = self.text
+        out = st.take(text, len(ids), len(self.ids), finish is not None)
+        if st.stop is not None:  # a stop string across the cut ends it here
             finish = c["finish_reason"] = "stop"
-            c["stop_reason"] = self.text.stop
+            c["stop_reason"] = st.stop
             self.stopped = True
-        if chat:
-            if out or delta.get("content"):
-                delta["content"] = out
-        elif "text" in c or out:
-            c["text"] = out
         if finish is not None:
             self.finished = finish
-        return bool(ids), bool(out) or finish is not None or (chat and "role" in delta)
+        if delta is None:
+            if out or "text" in c:
+                c["text"] = out
+            return bool(ids), bool(out) or finish is not None
+        if out or delta.get("content"):
+            delta["content"] = out
+        return bool(ids), bool(out) or finish is not None or "role" in delta
 
     def _opening(self) -> bytes:
         """A chat continuation whose client has no chunk yet opens with the role delta."""

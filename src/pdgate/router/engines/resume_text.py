@@ -83,55 +83,70 @@ class StreamText:
         self.rule = rule
         self.exact = exact
         self.sent = 0  # characters the client has
-        self.cut = Mark(0, 0)  # where a continuation would start now
         self.stop: str | None = None  # a match across a cut, found here
-        self._pending: deque[Mark] = deque()  # marks beyond what the client has
+        # Marks as (ids, pos) tuples, read once per chunk (a Mark costs more to make).
+        self._cut = (0, 0)  # where a continuation would start now (`cut`)
+        self._pending: deque[tuple[int, int]] = deque()  # marks beyond what the client has
+        self._hold = rule.hold  # the rule's, computed once
+        self._reach = rule.reach
         self._engine = 0  # end of the text the current leg's engine has sent
         self._tail = ""  # the client's text from `_tail_at` to `sent`
         self._tail_at = 0
         self._scan: _Scan | None = None
+
+    @property
+    def cut(self) -> Mark:
+        """Where a continuation would start now."""
+        return Mark(*self._cut)
 
     def take(self, text: str, ids: int, total_ids: int, finished: bool) -> str:
         """The client's part of `text`, a chunk's text from the current leg's engine
         (`ids` listed in the chunk, `total_ids` generated so far, `finished`: the chunk has
         a finish_reason). Sets `stop` when a match across the cut ends the stream here."""
         start = self._engine
-        self._engine += len(text)
+        end = self._engine = start + len(text)
         if text and not finished and (ids == 1 or not self.exact):
-            self._pending.append(Mark(total_ids, self._engine + self.rule.hold))
-        end = self._engine
-        scan = self._scan
-        if scan is not None:
-            found = scan.feed(text, self.rule)
-            if found is not None:
-                self.stop, end = found[0], max(found[1], self.sent)
-            if found is not None or self._engine >= scan.cut + self.rule.reach:
-                self._scan = None  # no match across the cut can end later
-        out = text[max(0, self.sent - start):max(0, end - start)]
-        self._sent_more(out)
+            self._pending.append((total_ids, end + self._hold))
+        if self._scan is not None:
+            end = self._scanned(text, end)
+        sent = self.sent
+        # Most chunks go to the client whole (the slice below would copy them).
+        out = (text if sent <= start and end >= self._engine
+               else text[max(0, sent - start):max(0, end - start)])
+        sent = self.sent = sent + len(out)
+        pending = self._pending
+        while pending and pending[0][1] <= sent:
+            self._cut = pending.popleft()
+        if self.rule.strings:
+            self._keep_tail(out)
         return out
+
+    def _scanned(self, text: str, end: int) -> int:
+        """`take`'s end of the client's text once the search across the cut saw `text`."""
+        scan = self._scan
+        assert scan is not None
+        found = scan.feed(text, self.rule)
+        if found is not None:
+            self.stop, end = found[0], max(found[1], self.sent)
+        if found is not None or self._engine >= scan.cut + self._reach:
+            self._scan = None  # no match across the cut can end later
+        return end
 
     def restart(self) -> Mark:
         """A continuation starts at `cut` (returned): its engine's text begins there."""
         self._pending.clear()
-        self._engine = self.cut.pos
+        pos = self._engine = self._cut[1]
         self._scan = None
         if self.rule.strings:
-            keep = self._tail[max(0, self.cut.pos - self.rule.reach - self._tail_at):
-                              self.cut.pos - self._tail_at]
-            self._scan = _Scan(self.cut.pos, keep)
+            keep = self._tail[max(0, pos - self._reach - self._tail_at):pos - self._tail_at]
+            self._scan = _Scan(pos, keep)
         return self.cut
 
-    def _sent_more(self, out: str) -> None:
-        self.sent += len(out)
-        while self._pending and self._pending[0].pos <= self.sent:
-            self.cut = self._pending.popleft()
-        if not self.rule.strings:
-            return
+    def _keep_tail(self, out: str) -> None:
         # Keep the client's text from `reach` characters before the cut: the window a
         # continuation's match across the cut may start in.
         self._tail += out
-        drop = self.cut.pos - self.rule.reach - self._tail_at
+        drop = self._cut[1] - self._reach - self._tail_at
         if drop > 0:
             self._tail = self._tail[drop:]
             self._tail_at += drop

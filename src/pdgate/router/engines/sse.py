@@ -263,7 +263,8 @@ class UsageRewriter:
 
     def rewrite(self, complete: bytes) -> bytes:
         """`complete` (whole lines) with every usage object fixed."""
-        return b"\n".join(self._line(line) for line in complete.split(b"\n"))
+        head, rest = split_at_usage(complete)
+        return b"\n".join([*head, *(self._line(line) for line in rest.split(b"\n"))])
 
     def flush(self) -> bytes:
         """Whatever partial line is left at end of stream (relayed as is)."""
@@ -291,9 +292,10 @@ def strip_usage_events(lines: bytes) -> bytes:
     `stream_options.include_usage` gets from vLLM. Other lines pass untouched."""
     if b'"usage"' not in lines:
         return lines
-    out: list[bytes] = []
+    head, rest = split_at_usage(lines)
+    out = list(head)
     dropped = False
-    for line in lines.split(b"\n"):
+    for line in rest.split(b"\n"):
         if dropped and not line:
             dropped = False
             continue
@@ -301,6 +303,15 @@ def strip_usage_events(lines: bytes) -> bytes:
         if not dropped:
             out.append(line)
     return b"\n".join(out)
+
+
+def split_at_usage(lines: bytes) -> tuple[tuple[bytes, ...], bytes]:
+    """`lines` (whole SSE lines) cut before the first line that mentions usage: the lines
+    before it as one item (none when it is the first), and the rest. A relayed piece
+    often holds many chunks and the usage one last (a short stream read at once): only
+    the rest needs a look line by line."""
+    at = lines.rfind(b"\n", 0, max(lines.find(_USAGE), 0)) + 1
+    return ((lines[:at - 1],) if at else ()), lines[at:]
 
 
 def _usage_only(line: bytes) -> bool:

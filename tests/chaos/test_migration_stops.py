@@ -6,7 +6,7 @@ with a stop string placed around the point where the kill falls
 - `after`: the stop string (excluded from the text, so the engines hold back its length
   less one character) lies beyond the kill: the continuation's engine must find it.
 - `across`: the stop string (`include_stop_str_in_output`: nothing held back) begins just
-  before the text the victim's first stream has when the kill fires and runs 40 characters
+  before the text the victim's first stream has when the kill fires and runs 80 characters
   on: the continuation keeps part of it, its engine never sees it whole, and the router
   must end the stream there.
 
@@ -35,7 +35,9 @@ pytestmark = pytest.mark.slow
 
 N_STREAMS = 20
 MAX_TOKENS = 64
-ACROSS_LEN = 40
+# Long enough that a victim's stream is still running when the kill lands: the router and
+# the engine run ahead of the client that fires it, and a stream ends at its stop string.
+ACROSS_LEN = 80
 PROMPTS = [f"Stream {i} stops somewhere in the middle of what the tiny model says." for i in
            range(N_STREAMS)]
 CHAT = frozenset(PROMPTS[3::4])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import signal
@@ -214,6 +215,16 @@ def complete(url: str, prompt: str, max_tokens: int = 24,
     resp = httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=120.0)
     assert resp.status_code == 200, resp.text
     return dict(resp.json())
+
+
+def completion_text(resp: httpx.Response, stream: bool) -> str:
+    """The text of a 200 completion answer, streamed (its chunks joined) or not."""
+    assert resp.status_code == 200, resp.text
+    if not stream:
+        return str(resp.json()["choices"][0]["text"])
+    events = [json.loads(line[6:]) for line in resp.text.splitlines()
+              if line.startswith("data: {")]
+    return "".join(c["text"] for e in events for c in e["choices"])
 
 
 def pool_states(c: Cluster) -> list[tuple[float, float, float]]:

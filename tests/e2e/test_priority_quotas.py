@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster, start_cluster
+from tests.e2e.cluster import Cluster, completion_text, start_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -44,23 +44,14 @@ def _post(c: Cluster, key: str, stream: bool, **extra: Any) -> httpx.Response:
                       headers={"Authorization": f"Bearer {key}"})
 
 
-def _text(resp: httpx.Response, stream: bool) -> str:
-    assert resp.status_code == 200, resp.text
-    if not stream:
-        return str(resp.json()["choices"][0]["text"])
-    events = [json.loads(line[6:]) for line in resp.text.splitlines()
-              if line.startswith("data: {")]
-    return "".join(c["text"] for e in events for c in e["choices"])
-
-
 def test_priorities_reach_the_shims_and_answers_equal_colocated(cluster: Cluster) -> None:
     alone = httpx.post(cluster.decode[0] + "/v1/completions", timeout=120, json={
         "model": "tiny", "prompt": PROMPT_IDS, "max_tokens": MAX_TOKENS, "temperature": 0,
         "ignore_eos": True})  # the decode engine alone: the colocated answer
-    expected = _text(alone, False)
+    expected = completion_text(alone, False)
     for stream in (False, True):
         for extra in ({}, {"priority": -7}, {"priority": 9}):
-            assert _text(_post(cluster, GOLD, stream, **extra), stream) == expected
+            assert completion_text(_post(cluster, GOLD, stream, **extra), stream) == expected
     resp = _post(cluster, GOLD, False, priority="soon")
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "priority"
     resp = httpx.post(cluster.router + "/v1/completions", timeout=30, json={

@@ -25,7 +25,6 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
-import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -34,7 +33,8 @@ from pdgate.router.engines.resume_text import StopRule
 from pdgate.router.flows.base import StreamResult
 from pdgate.router.flows.migration import MigrationMetrics, Migrator
 from pdgate.router.flows.resume import continuation_body, declined, stop_rule
-from pdgate.router.input.schema import ChatParams, ClientRequest, CompletionParams
+from pdgate.router.input.schema import ClientRequest
+from tests.router.test_migration import _req
 
 ID0 = 1000  # token i's id
 PROMPT = 7  # prompt tokens
@@ -269,18 +269,6 @@ def test_a_chat_stream_stopped_across_the_cut_reads_as_chat() -> None:
     assert events[-2]["choices"][0]["stop_reason"] == "STOP"
     assert events[-1]["usage"]["prompt_tokens"] == PROMPT
     assert out.endswith(b"data: [DONE]\n\n")
-
-
-def _req(body: dict[str, Any], chat: bool = False) -> ClientRequest:
-    body = {"model": "m", "stream": True, **body}
-    if chat:
-        body.setdefault("messages", [{"role": "user", "content": "hi"}])
-        params: Any = msgspec.convert(body, ChatParams)
-        return ClientRequest("chat", "/v1/chat/completions", body, params, "r1", {})
-    body.setdefault("prompt", "hello")
-    params = msgspec.convert(body, CompletionParams)
-    return ClientRequest("completion", "/v1/completions", body, params, "r1", {},
-                         prompt=body["prompt"])
 
 
 @pytest.mark.parametrize(("body", "rule"), [

@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.e2e.cluster import completion_text
 from tests.vllm.conftest import ENGINE_START_TIMEOUT_S
 from tests.vllm.processes import (
     ENGINE_KEY,
@@ -80,20 +81,11 @@ def _body(stream: bool, **extra: Any) -> dict[str, Any]:
             "ignore_eos": True, "stream": stream, **extra}
 
 
-def _text(resp: httpx.Response, stream: bool) -> str:
-    assert resp.status_code == 200, resp.text
-    if not stream:
-        return str(resp.json()["choices"][0]["text"])
-    events = [json.loads(line[6:]) for line in resp.text.splitlines()
-              if line.startswith("data: {")]
-    return "".join(c["text"] for e in events for c in e["choices"])
-
-
 def _colocated(d: Proc) -> str:
     """D's own answer to the prompt, with no P (greedy: the reference)."""
     resp = httpx.post(d.url + COMPLETIONS, json=_body(False), timeout=300,
                       headers={"Authorization": f"Bearer {ENGINE_KEY}"})
-    return _text(resp, False)
+    return completion_text(resp, False)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -101,7 +93,7 @@ def test_priority_reaches_both_legs_and_the_answer_is_right(rig: Rig, stream: bo
     p_before, d_before = len(rig.p_rec.seen(COMPLETIONS)), len(rig.d_rec.seen(COMPLETIONS))
     resp = httpx.post(rig.router + COMPLETIONS, json=_body(stream, priority=5), timeout=300,
                       headers={"Authorization": "Bearer sk-open-test-key"})
-    assert _text(resp, stream) == _colocated(rig.d)
+    assert completion_text(resp, stream) == _colocated(rig.d)
     [p_leg] = rig.p_rec.seen(COMPLETIONS)[p_before:]
     [d_leg] = rig.d_rec.seen(COMPLETIONS)[d_before:]
     assert p_leg["kv_transfer_params"]["do_remote_decode"] is True  # P's leg
@@ -116,6 +108,6 @@ def test_a_mapped_key_bounds_the_priority_it_may_ask(rig: Rig) -> None:
                                       ({}, {"X-Request-Priority": "7"}, 7)):
         resp = httpx.post(rig.router + COMPLETIONS, json=_body(False, **body_extra),
                           headers={**auth, **headers}, timeout=300)
-        assert _text(resp, False) == _colocated(rig.d)
+        assert completion_text(resp, False) == _colocated(rig.d)
         assert rig.p_rec.seen(COMPLETIONS)[-1]["priority"] == sent
         assert rig.d_rec.seen(COMPLETIONS)[-1]["priority"] == sent

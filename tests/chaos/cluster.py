@@ -218,6 +218,16 @@ def start_router(engines: list[Engine], port: int, model_dir: Path, mode: str, *
     return cluster
 
 
+def restart_down(engines: list[Engine]) -> None:
+    """Restart each engine that is not running (or runs with a test's extra flags: an
+    earlier scenario's) and wait until it is healthy."""
+    restarted = [e for e in engines if not e.running or e.extra]
+    for e in restarted:
+        e.restart()
+    for e in restarted:
+        wait_healthy(e, 120)
+
+
 def wait_healthy(engine: Engine, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

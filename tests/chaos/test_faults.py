@@ -41,6 +41,7 @@ from tests.chaos.cluster import (
     ChaosCluster,
     Engine,
     pools_full,
+    restart_down,
     start_engines,
     start_router,
     stop_engines,
@@ -95,10 +96,7 @@ def engines(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 def cluster(request: pytest.FixtureRequest, engines: tuple[list[Engine], int],
             tiny_model_dir: Path) -> Iterator[ChaosCluster]:
     started, router_port = engines
-    for e in started:  # a previous mode may have left one down
-        if not e.running or e.extra:
-            e.restart()
-            wait_healthy(e, 120)
+    restart_down(started)  # a previous mode may have left one down
     c = start_router(started, router_port, tiny_model_dir, request.param)
     try:
         yield c

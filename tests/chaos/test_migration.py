@@ -29,6 +29,7 @@ from pdgate.engine_shim.tiny import TINY_MODEL_NAME
 from tests.chaos.cluster import (
     ChaosCluster,
     Engine,
+    restart_down,
     start_engines,
     start_router,
     stop_engines,
@@ -181,10 +182,7 @@ def test_decode_killed_mid_stream_every_stream_completes(
         mode: str, engines: tuple[list[Engine], int], tiny_model_dir: Path,
         reference: dict[str, tuple[str, int, int]]) -> None:
     started, port = engines
-    for e in started:
-        if not e.running:
-            e.restart()
-            wait_healthy(e, 120)
+    restart_down(started)
     cluster = start_router(started, port, tiny_model_dir, mode)
     try:
         _scenario(cluster, reference, mode)
@@ -197,10 +195,7 @@ def test_prefill_killed_after_the_first_token(
         mode: str, engines: tuple[list[Engine], int], tiny_model_dir: Path,
         reference: dict[str, tuple[str, int, int]]) -> None:
     started, port = engines
-    for e in started:
-        if not e.running:
-            e.restart()
-            wait_healthy(e, 120)
+    restart_down(started)
     cluster = start_router(started, port, tiny_model_dir, mode)
     victim = cluster.by_role("prefill")[0]
     try:
@@ -343,10 +338,7 @@ def test_decode_killed_mid_generation_of_non_streaming_requests(
     """Every non-streaming request the kill cut gets a 200 with the colocated greedy text
     and usage billed as one request, continued with P's KV on the surviving engine."""
     started, port = engines
-    for e in started:
-        if not e.running:
-            e.restart()
-            wait_healthy(e, 120)
+    restart_down(started)
     cluster = start_router(started, port, tiny_model_dir, mode,
                            extra=["--migrate-non-streaming"])
     victim, survivor = cluster.by_role("decode")

@@ -28,7 +28,14 @@ import httpx
 import pytest
 
 from pdgate.engine_shim.tiny import TINY_MODEL_NAME
-from tests.chaos.cluster import Engine, start_engines, start_router, stop_engines, wait_healthy
+from tests.chaos.cluster import (
+    Engine,
+    restart_down,
+    start_engines,
+    start_router,
+    stop_engines,
+    wait_healthy,
+)
 from tests.e2e.cluster import metric
 
 pytestmark = pytest.mark.slow
@@ -181,10 +188,7 @@ def test_stop_strings_of_migrated_streams(mode: str, kind: str,
                                           engines: tuple[list[Engine], int],
                                           tiny_model_dir: Path) -> None:
     started, port = engines
-    for e in started:
-        if not e.running:
-            e.restart()
-            wait_healthy(e, 120)
+    restart_down(started)
     decode = [e for e in started if e.role == "decode"]
     stops = _stops(decode[0].url, kind)
     want = {p: _direct(decode[0].url, p, stops[p][0]) for p in PROMPTS}

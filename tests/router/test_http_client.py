@@ -256,3 +256,28 @@ async def test_a_body_finished_early_is_pooled_only_if_it_ends_there(
         assert len(accepted) == (1 if reused else 2)
         assert discarded == ([] if reused else ["sse_after_done"] * 2)
         await pool.close()
+
+
+async def test_a_refusal_after_a_kept_alive_connection_closed_is_not_connect_failed() -> None:
+    """An engine killed just after it took a request on a kept-alive connection: the retry's
+    connection is refused. That is no proof the request never arrived (a decode engine may
+    have read P's KV and released it), so the failure is `Dropped`, not `ConnectFailed`."""
+    took = asyncio.Event()
+    requests: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        requests.append(await read_request(reader))
+        writer.write(OK)
+        await writer.drain()
+        requests.append(await read_request(reader))
+        took.set()  # the engine took it... and dies at once, nothing listens any more
+
+    async with server(handler) as (url, accepted):
+        pool = new_pool()
+        assert await get(pool, url) == (200, b"ok")
+        second = asyncio.ensure_future(get(pool, url))
+        await took.wait()
+    with pytest.raises(Dropped, match="may have taken the request"):
+        await second
+    assert (len(requests), len(accepted)) == (2, 1)
+    await pool.close()

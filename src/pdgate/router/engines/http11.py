@@ -18,10 +18,12 @@ not already there (a small reply usually arrives with its headers in one read).
 
 A reused keep-alive connection that the server closed just as a request went out (no byte
 of a response came back, within `STALE_CLOSE_S` of sending) is retried once on a fresh
-connection, as browsers and aiohttp do. A drop later than that is an engine that took the
-request and died (or was killed) working on it: the request is not sent again behind the
-caller's back (engine POSTs are not idempotent: a prefill would pin its blocks twice); the
-flow's own retry and failover decide what happens next.
+connection, as browsers and aiohttp do; when that new connection is refused, the failure is
+`Dropped`, not `ConnectFailed` (the engine may have taken the request before it died). A
+drop later than that is an engine that took the request and died (or was killed) working on
+it: the request is not sent again behind the caller's back (engine POSTs are not idempotent:
+a prefill would pin its blocks twice); the flow's own retry and failover decide what happens
+next.
 
 Framing is exact: a connection goes back to the pool only when its parser ended exactly at
 the end of the response (nothing of a second message parsed) and no byte arrived since.
@@ -192,8 +194,18 @@ class ConnectionPool:
         origin = self.origin(url)
         head = self._head(method, origin, path, headers, body)
         loop = asyncio.get_running_loop()
-        for _ in range(2):
-            conn, reused = await self._acquire(origin, connect_deadline, deadline)
+        for attempt in range(2):
+            try:
+                conn, reused = await self._acquire(origin, connect_deadline, deadline)
+            except ConnectFailed as exc:
+                if not attempt:
+                    raise
+                # The first connection may have delivered the request before it closed (an
+                # engine killed just after taking it): the caller must not read "refused"
+                # as "never sent" (a decode leg would hand P's KV params to a second D).
+                raise Dropped("connection closed before the response, and a new one was "
+                              f"refused ({exc}): the engine may have taken the request"
+                              ) from None
             sent = loop.time()
             try:
                 conn.send(head, body)

@@ -104,6 +104,7 @@ class FakeEngine:
     # and reply with pdgate params unless `push_params` is off (P stopped early).
     kv_endpoints: bool = True
     kv_ready: str = "ok"
+    kv_write_fails_to: str | None = None  # a 'failed' notice for writes into this engine id
     kv_ready_delay_s: float = 0.0  # the notice trails P's reply by this much
     reply_after_notice_s: float = 0.0  # as P: the reply trails the notice by this much
     push_params: bool = True
@@ -244,11 +245,12 @@ class FakeEngine:
             return None
         endpoint = params.get("notify_endpoint")
         if endpoint and self.kv_ready != "never":
+            ok = self.kv_ready == "ok" and \
+                params.get("remote_engine_id") != self.kv_write_fails_to
             notice = KVReady(
                 request_id=params["notify_request_id"], engine_id=self.engine_id,
-                token=params.get("notify_token", ""),
-                status="ok" if self.kv_ready == "ok" else "failed",
-                error=None if self.kv_ready == "ok" else "fake write failure")
+                token=params.get("notify_token", ""), status="ok" if ok else "failed",
+                error=None if ok else "fake write failure")
             if self.kv_ready_delay_s:
                 asyncio.get_running_loop().call_later(
                     self.kv_ready_delay_s, self._notify, endpoint, notice)

@@ -80,6 +80,24 @@ async def test_notify_failed_transfer_is_502_and_frees_both_sides(
                          {"mode": "notify", "reason": "transfer_failed"}) == 1
 
 
+async def test_notify_write_into_a_failed_decode_engine_retries_on_another_with_the_same_p(
+        make_engine: MakeEngine, start_router: StartRouter) -> None:
+    """P reports that its write into D0 failed (D0 died): D0 is to blame, not P, so the one
+    prefill engine serves the retry with D1 and the client gets its answer."""
+    p = await make_engine(engine_id="P0", kv_write_fails_to="D0")
+    d0 = await make_engine(engine_id="D0")
+    d1 = await make_engine(engine_id="D1")
+    router = await start_router([p], [d0, d1], pd_mode="notify", decode_policy="round-robin")
+    resp = await router.client.post("/v1/completions", json=BODY)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["text"] == "Hello world!"
+    assert resp.headers["x-pdgate-decode-engine"] == d1.url
+    assert [len(p.prefills), len(d0.decodes), len(d1.decodes)] == [2, 0, 1]
+    assert router.metric("pdgate_retries_total", {"role": "decode"}) == 1
+    assert router.metric("pdgate_retries_total", {"role": "prefill"}) == 0
+    await until(lambda: d0.aborts != [] and p.aborts != [])  # the failed attempt's state
+
+
 async def test_notify_missing_kv_ready_is_504_at_the_deadline(
         make_engine: MakeEngine, start_router: StartRouter) -> None:
     p = await make_engine(engine_id="P0", kv_ready="never")

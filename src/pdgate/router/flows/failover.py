@@ -61,19 +61,26 @@ class LegFailure(RouterError):
     """A leg of an attempt failed on `ep` before any byte reached the client; the flow has
     already released what the attempt held. Carries the engine's error (same status)."""
 
-    def __init__(self, role: Role, ep: Endpoint, error: RouterError) -> None:
+    def __init__(self, role: Role, ep: Endpoint, error: RouterError, *,
+                 pair: Endpoint | None = None) -> None:
         super().__init__(error.message, param=error.param)
         self.role, self.ep, self.error = role, ep, error
+        # A KV transfer between two engines failed (blamed on `ep`, the receiver): the
+        # sender `pair` is avoided by the next attempt where another engine can serve.
+        self.pair = pair
         self.status, self.type, self.code = error.status, error.type, error.code
         self.retryable = error.retryable
 
 
 @dataclasses.dataclass
 class Exclusions:
-    """Engines that failed in earlier attempts of one request, per role."""
+    """Engines that failed in earlier attempts of one request, per role; `avoid_prefill`:
+    prefill engines whose KV transfer to a failed decode engine failed (not to blame, but
+    another one is preferred)."""
 
     prefill: list[Endpoint] = dataclasses.field(default_factory=list)
     decode: list[Endpoint] = dataclasses.field(default_factory=list)
+    avoid_prefill: list[Endpoint] = dataclasses.field(default_factory=list)
 
     def of(self, role: Role) -> list[Endpoint]:
         return self.prefill if role == "prefill" else self.decode
@@ -149,6 +156,8 @@ def _retry_or_raise(req: ClientRequest, failure: LegFailure, attempt: int, max_r
         raise failure.error from None
     if not gone:
         excluded.of(failure.role).append(failure.ep)
+    if failure.pair is not None:
+        excluded.avoid_prefill.append(failure.pair)
     metrics.child(metrics.retries, failure.role).inc()
     log.warning("request %s: %s leg failed on %s (%s); retrying on "
                 "another engine", req.request_id, failure.role, failure.ep.key,
@@ -169,9 +178,16 @@ class PullInstead(Exception):  # noqa: N818 -- a signal, not an error
 
 async def choose_prefill(pool: EndpointPool, selector: Selector, ctx: PickContext,
                          ex: Exclusions) -> Endpoint:
-    """A prefill engine not excluded; `PullInstead` when every prefill engine is down (the
-    pull flow then serves the request on a decode engine alone, counted there)."""
+    """A prefill engine not excluded (one only avoided when no other is left); `PullInstead`
+    when every prefill engine is down (the pull flow then serves the request on a decode
+    engine alone, counted there)."""
     try:
+        if ex.avoid_prefill:
+            try:
+                return await choose(pool, "prefill", selector, ctx,
+                                    exclude=ex.prefill + ex.avoid_prefill)
+            except NoEndpointAvailable:
+                pass
         return await choose(pool, "prefill", selector, ctx, exclude=ex.prefill)
     except NoEndpointAvailable:
         if not pool.healthy("prefill"):

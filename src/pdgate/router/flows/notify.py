@@ -219,8 +219,11 @@ class NotifyFlow:
                 f"no KV-ready notification from prefill engine {p_ep.url} within "
                 f"{self.timeout:g}s")) from None
         if isinstance(exc, KVTransferFailed):
+            # P could not write into D: most often D died or is unreachable (P answered its
+            # own notice, so P is alive). D is blamed and excluded; P is only avoided, so a
+            # fleet with one prefill engine still retries on another decode engine.
             self.metrics.flow_failures.labels(MODE, "transfer_failed").inc()
-            raise LegFailure("prefill", p_ep, EngineError(
+            raise LegFailure("decode", d_ep, pair=p_ep, error=EngineError(
                 f"KV transfer from prefill engine {p_ep.url} to {d_ep.url} failed: "
                 f"{exc.error or 'unknown error'}")) from None
         if isinstance(exc, Exception):

@@ -1,7 +1,10 @@
 """Priority and fairness in the router's admission queue: a flooding key beside an
-interactive key, FIFO against the fair queue in one run (CPU, shim engines).
+interactive key, FIFO against the fair queue, with and without a reserved slot, in one run
+(CPU, shim engines).
 
-For each admission order (`fifo`, `fair`) a fresh 1P1D `pdgate up` cluster is started with
+For each admission setup (`fifo`; `fair`; `reserved`: fair with `--reserved-slots`,
+default 1, slots only a key with nothing in service may take) a fresh 1P1D `pdgate up`
+cluster is started with
 two client keys (`flood` and `interactive`, `--interactive-priority`, default 0: the same
 priority, so only the keys tell them apart) and a small admission limit
 (`--max-concurrent`, default 2), so that the flood queues in the router, where the order
@@ -39,7 +42,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.e2e import _free_base, launch, one, prompt, stop  # noqa: E402
 
-ORDERS = ("fifo", "fair")
+ORDERS = ("fifo", "fair", "reserved")
 FLOOD_KEY = "sk-bench-flood-key"
 INTERACTIVE_KEY = "sk-bench-interactive-key"
 
@@ -55,10 +58,11 @@ def start(order: str, args: argparse.Namespace, tmp: Path) -> tuple[subprocess.P
     argv = [sys.executable, "-m", "pdgate.cli", "up", "--no-demo", "--port", str(base),
             "--engine-port-base", str(base + 1), "--side-channel-port-base", str(base + 3),
             "--block-size", "16", "--num-blocks", "2048", "--log-dir", str(tmp / order),
-            f"--router-arg=--admission-order={order}",
+            f"--router-arg=--admission-order={'fifo' if order == 'fifo' else 'fair'}",
+            f"--router-arg=--reserved-slots={args.reserved_slots * (order == 'reserved')}",
             f"--router-arg=--max-concurrent-requests={args.max_concurrent}",
             "--router-arg=--max-queued-requests=4096", "--router-arg=--queue-timeout-s=300",
-            f"--router-arg=--client-keys={keys}"]
+            f"--router-arg=--client-keys={keys}", *args.up_arg]
     return launch(argv, base, order, tmp / order, 180.0)
 
 
@@ -158,6 +162,8 @@ def main() -> int:
                    help="seconds the flood runs before the interactive phase (default 1)")
     p.add_argument("--max-concurrent", type=int, default=2,
                    help="the router's --max-concurrent-requests (default 2)")
+    p.add_argument("--reserved-slots", type=int, default=1,
+                   help="the `reserved` setup's --reserved-slots (default 1)")
     p.add_argument("--interactive-priority", type=int, default=0,
                    help="the interactive key's priority (the flood's is 0; default 0)")
     p.add_argument("--prompt-tokens", type=int, default=64, help="prompt length (default 64)")
@@ -165,6 +171,9 @@ def main() -> int:
                    help="tokens per interactive request (default 16)")
     p.add_argument("--flood-max-tokens", type=int, default=16,
                    help="tokens per flood request (default 16)")
+    p.add_argument("--up-arg", action="append", default=[], metavar="ARG",
+                   help="extra `pdgate up` flag (repeatable), e.g. "
+                        "--up-arg=--prefill-engine-arg=--cpus=0")
     p.add_argument("--orders", nargs="+", choices=ORDERS, default=list(ORDERS))
     p.add_argument("--json", action="store_true", help="print the figures as JSON too")
     args = p.parse_args()

@@ -220,3 +220,37 @@ async def test_check_room_refuses_before_any_work_only_when_full() -> None:
     assert info.value.reason == "queue_full"
     held.release()
     (await waiter).release()
+
+
+# ---- reserved slots: a flooding key never holds them all ----
+
+async def test_reserved_slots_go_only_to_a_key_with_nothing_in_service() -> None:
+    adm = Admission(max_concurrent=3, max_queued=10, queue_timeout_s=60, reserved=1)
+    flood = [await adm.acquire(0, "flood"), await adm.acquire(0, "flood")]
+    queued = asyncio.create_task(adm.acquire(0, "flood"))  # the last slot is reserved
+    await eventually(lambda: adm.queued == 1, "the third flood request queued")
+    light = await adm.acquire(0, "interactive")  # at once, beside the queued flood
+    assert (adm.active, adm.queued) == (3, 1)
+    light.release()  # its slot is the reserved one again: the flood still waits
+    await asyncio.sleep(0)
+    assert (adm.active, adm.queued, queued.done()) == (2, 1, False)
+    light = await adm.acquire(0, "interactive")
+    with pytest.raises(TimeoutError):  # a second one of the same key waits like anyone
+        await asyncio.wait_for(adm.acquire(0, "interactive"), 0.05)
+    light.release()
+    flood.pop().release()  # two slots free: the queued flood request takes one
+    (await queued).release()
+    flood.pop().release()
+    assert (adm.active, adm.queued) == (0, 0)
+
+
+async def test_a_flood_alone_uses_all_but_the_reserved_slots() -> None:
+    adm = Admission(max_concurrent=4, max_queued=0, queue_timeout_s=60, reserved=1)
+    held = [await adm.acquire(0, "flood") for _ in range(3)]
+    with pytest.raises(Overloaded):  # no queue: refused, though one slot is free
+        await adm.acquire(0, "flood")
+    adm.check_room()  # before parsing the key is unknown: the free slot counts
+    held.append(await adm.acquire(0, "other"))
+    for slot in held:
+        slot.release()
+    assert (adm.active, adm.queued) == (0, 0)

@@ -78,6 +78,9 @@ def test_a_missing_setting_is_named_as_flag_yaml_key_and_env(
     ({"connect_timeout_s": 0}, "connect_timeout_s"),
     ({"max_body_bytes": -1}, "max_body_bytes"),
     ({"max_model_len": 0}, "max_model_len"),
+    ({"reserved_slots": 4, "max_concurrent_requests": 4}, "reserved_slots"),
+    ({"reserved_slots": -1}, "reserved_slots"),
+    ({"reserved_slots": 1, "admission_order": "fifo"}, "reserved_slots"),
 ])
 def test_validation_names_the_field(changes: dict[str, object], field: str) -> None:
     base = {"model": "m", "prefill": ["http://p:1"], "decode": ["http://d:2"]}

@@ -186,3 +186,29 @@ async def test_the_router_queues_by_key_in_the_fair_order(
     for resp in await asyncio.gather(*sends):
         assert resp.status_code == 200, resp.text
     assert [r.body["prompt"] for r in d.decodes] == expected
+
+
+async def test_a_reserved_slot_lets_a_light_key_start_while_a_flood_queues(
+        make_engine: MakeEngine, start_router: StartRouter) -> None:
+    # Two slots, one reserved: f0 runs, f1 and f2 (flood key) queue, i0 (another key)
+    # starts at once beside f0, before f1 (without the reserved slot f1 would have taken
+    # the second slot and i0 waited for f0 to end).
+    keys = [ClientKey(key="flood-key-0", name="flood"), ClientKey(key="inter-key-0",
+                                                                name="interactive")]
+    p = await make_engine()
+    d = await make_engine(delay_s=0.3)
+    router = await start_router([p], [d], client_keys=keys, max_concurrent_requests=2,
+                                reserved_slots=1, queue_timeout_s=30)
+    sends = []
+    for n, name in enumerate(["f0", "f1", "f2"]):
+        sends.append(asyncio.create_task(router.client.post(
+            COMPLETIONS, json={**BODY, "prompt": name},
+            headers={"Authorization": "Bearer flood-key-0"})))
+        await eventually(lambda n=n: router.metric("pdgate_admission_queued") == n,
+                         f"{name} in")
+    resp = await router.client.post(COMPLETIONS, json={**BODY, "prompt": "i0"},
+                                    headers={"Authorization": "Bearer inter-key-0"})
+    assert resp.status_code == 200, resp.text
+    for r in await asyncio.gather(*sends):
+        assert r.status_code == 200, r.text
+    assert [r.body["prompt"] for r in d.decodes] == ["f0", "i0", "f1", "f2"]

@@ -175,6 +175,10 @@ _FLAGS: tuple[tuple[str, Any, str], ...] = (
     ("admission_order", str, "which queued request gets the next slot: fair (weighted fair "
                              "queuing over client keys and priorities: a lower priority "
                              "gets twice the share per step) or fifo (arrival order)"),
+    ("reserved_slots", int, "of --max-concurrent-requests, slots only a client key (at a "
+                            "priority) with no request in service may take (fair order): "
+                            "a flooding key never holds them all, so a key sending one "
+                            "request at a time starts at once (default 0)"),
     ("forward_priority", bool, "send each request's priority (body `priority`, header "
                                "X-Request-Priority, client_keys) to the engines as "
                                "`priority` on both legs: only for engines run with "
@@ -270,7 +274,7 @@ _GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
                "kv_ready_timeout_s", "notify_bind", "notify_advertise_host", "notify_secret",
                "notify_ttl_s", "notify_reap_interval_s")),
     ("limits", ("max_concurrent_requests", "max_queued_requests", "queue_timeout_s",
-                "admission_order", "forward_priority",
+                "admission_order", "reserved_slots", "forward_priority",
                 "max_body_bytes", "max_json_depth", "max_messages", "tokenize_prompts",
                 "allow_client_chat_template", "chat_template_timeout_s",
                 "chat_template_max_output_chars", "header_timeout_s",

@@ -225,6 +225,9 @@ class RouterConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True, kw_o
     # Which queued request is admitted next (router/admission.py): "fair" (weighted fair
     # queuing over client keys and priorities) or "fifo" (arrival order).
     admission_order: Literal["fair", "fifo"] = "fair"
+    # Slots only a client key (flow) with no request in service may take (fair order):
+    # a flooding key never holds them all, so a light key starts at once.
+    reserved_slots: int = 0
     # Send each request's priority (router/priority.py) to the engines as vLLM's
     # `priority` on both legs: only for engines run with `--scheduling-policy priority`
     # (vLLM refuses a priority other than 0 otherwise). False: the router orders its own

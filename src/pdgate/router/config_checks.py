@@ -155,6 +155,10 @@ def _validate_resilience(config: RouterConfig) -> None:
             raise ConfigError(f"{field}: must be >= 0")
     if config.retry_backoff_s < 0:
         raise ConfigError("retry_backoff_s: must be >= 0")
+    if not 0 <= config.reserved_slots < config.max_concurrent_requests:
+        raise ConfigError("reserved_slots: must be >= 0 and below max_concurrent_requests")
+    if config.reserved_slots and config.admission_order != "fair":
+        raise ConfigError("reserved_slots: needs admission_order fair (fifo knows no keys)")
     for field in ("api_key", "admin_api_key", "engine_api_key"):
         key = getattr(config, field)
         if key is not None and len(key) < 8:

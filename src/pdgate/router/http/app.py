@@ -294,7 +294,8 @@ def _admission(config: RouterConfig, metrics: RouterMetrics) -> Admission:
 
     return Admission(config.max_concurrent_requests, config.max_queued_requests,
                      config.queue_timeout_s, on_change=gauges,
-                     on_wait=metrics.observe_admission_wait, order=config.admission_order)
+                     on_wait=metrics.observe_admission_wait, order=config.admission_order,
+                     reserved=config.reserved_slots)
 
 
 async def _start_discovery(

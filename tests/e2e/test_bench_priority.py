@@ -14,15 +14,15 @@ from tests.e2e.cluster import ROOT
 pytestmark = pytest.mark.slow
 
 
-def test_priority_bench_prints_both_orders() -> None:
+def test_priority_bench_prints_every_setup() -> None:
     out = subprocess.run(
         [sys.executable, "bench/priority.py", "--interactive", "3", "--flood-concurrency", "3",
          "--flood-lead-s", "0.3", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=280, check=True).stdout
     table, _, raw = out.partition("\n{")
-    assert "| fifo | beside flood |" in table and "| fair | alone |" in table
+    assert "| fifo | beside flood |" in table and "| reserved | alone |" in table
     assert "fair: interactive p99 beside the flood / alone" in table
     figures = json.loads("{" + raw)
-    for order in ("fifo", "fair"):
+    for order in ("fifo", "fair", "reserved"):
         assert figures[order]["flood_req_per_s"] > 0
         assert figures[order]["beside_flood"]["latency_p99_ms"] > 0

@@ -13,7 +13,8 @@ Per phase and decider: TTFT p90 and request latency p90 (client side: send -> fi
 content chunk, send -> [DONE]), the router's decisions by reason, its decider mode switches
 per second, and how close its predictions were: the share of requests whose measured TTFT
 (from the decision) was within +-25 % of the predicted one, and the median measured /
-predicted ratio (`pdgate_decider_prediction_ratio`).
+predicted ratio (`pdgate_decider_prediction_ratio`); `--json` splits them by choice (D
+alone, P then D).
 
     python bench/decider.py [--burst 48] [--mixed 48] [--device cuda] [--json]
 
@@ -143,8 +144,12 @@ def run_one(decider: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
             switches = sum(delta(after, before, "pdgate_decider_switches_total").values())
             f["decisions"] = delta(after, before, "pdgate_disagg_decisions_total")
             f["switches_per_s"] = switches / f["seconds"]
-            f["prediction"] = prediction(
-                delta(after, before, "pdgate_decider_prediction_ratio_bucket"))
+            ratios = delta(after, before, "pdgate_decider_prediction_ratio_bucket")
+            f["prediction"] = prediction(ratios)
+            f["prediction_by_choice"] = {  # which prediction misses: D alone or P then D
+                choice: prediction({k: v for k, v in ratios.items()
+                                    if f'choice="{choice}"' in k})
+                for choice in ("direct", "disagg")}
             figures[name] = f
     finally:
         stop(proc)

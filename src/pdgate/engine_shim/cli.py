@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + completion in tokens (default: the model's limit, "
                    "capped at num-blocks x block-size)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="tokens one step may compute (vLLM's flag): every decode, then "
+                   "prompts first come first served while it lasts, at least one (prompts "
+                   "are not chunked); default 0: every waiting prompt in each step")
     p.add_argument("--engine-id", default=None,
                    help="NIXL engine id announced to peers (default: a random uuid)")
     p.add_argument("--side-channel-host", default="127.0.0.1",
@@ -278,6 +282,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         landing_timeout=args.kv_landing_timeout,
         push_grace=args.kv_push_grace_seconds,
         reservation_abort_grace=args.kv_abort_grace_seconds,
+        max_num_batched_tokens=args.max_num_batched_tokens,
     )
 
 

@@ -104,20 +104,18 @@ class EngineConfig:
     # Where the NIXL-registered KV buffer lives (vLLM's kv_buffer_device): None = the KV
     # cache itself; "cpu" = a host staging mirror (staging.py) that transfers copy through.
     kv_buffer_device: str | None = None
-    # KV cache memory layout (kv_layout.LAYOUTS values): block-major by default.
-    kv_layout: str = LAYOUT_NAME
+    kv_layout: str = LAYOUT_NAME  # KV cache memory layout (kv_layout.LAYOUTS values)
     # A decode whose remote KV cannot be loaded: "recompute" the prompt here (vLLM's
     # default) or "fail" the request with a 502 so the caller sees the transfer failed.
     kv_load_failure_policy: str = "recompute"
     # Notify-mode D: seconds to wait for P's landed notice once the decode leg is here (it
     # trails the router's KV-ready by ~ms; a leg's push_deadline may end the wait sooner).
     landing_timeout: float = 10.0
-    # Push-mode D: blocks of a cancelled push wait stay out of the pool this long (P may be
-    # writing into them right now; it was told to stop).
-    push_grace: float = 2.0
+    push_grace: float = 2.0  # push-mode D: a cancelled wait's blocks stay out (P may write)
     # POST /v1/kv/abort on D: an aborted reservation's blocks stay out of the pool this long
     # when a WRITE into them may still land (`write_possible`).
     reservation_abort_grace: float = 2.0
+    max_num_batched_tokens: int = 0  # tokens per step (scheduler.py); 0: no budget
 
 
 class Engine:
@@ -161,7 +159,8 @@ class Engine:
         self.transfer_log = TransferLog(self.kv, config.kv_digests)
         self.scheduler = Scheduler(model, self.kv, self.pool, metrics, self._finish,
                                    after_step=self._publish_kv_events,
-                                   on_release=self._released)
+                                   on_release=self._released,
+                                   max_step_tokens=config.max_num_batched_tokens)
         self.outbound = OutboundKV(self.scheduler, self.staging, self.transfer_log)
         self.inbound = InboundKV(
             InboundSettings(failure_policy=config.kv_load_failure_policy,

@@ -8,7 +8,11 @@ threads only through `free_blocks` (the connector's lease release), which wakes 
 
 A step feeds every running sequence its pending tokens (`token_ids[num_computed:]`): prefill
 and recompute one sequence per forward, all single-token decodes in one batched forward, then
-samples one token each. Blocks grow as sequences lengthen; when the pool is dry the youngest
+samples one token each. With a token budget (`max_step_tokens`, vLLM's
+`--max-num-batched-tokens`) a step takes every decode, then prompts in arrival order while
+the budget lasts (at least one; prompts are not chunked): a prompt's first token then waits
+only for the prompts ahead of it, not for those that arrive after it in the same step.
+Blocks grow as sequences lengthen; when the pool is dry the youngest
 running sequence is preempted (blocks freed, recomputed later, before any new admission).
 Requests that find the pool short at admission wait in FIFO order.
 """
@@ -58,8 +62,10 @@ class Scheduler:
         self, model: LlamaModel, kv: PagedKVCache, pool: BlockPool, metrics: ShimMetrics,
         on_finish: FinishHook, after_step: Callable[[], None] | None = None,
         on_release: Callable[[Sequence, str], None] | None = None,
+        max_step_tokens: int = 0,
     ) -> None:
         self.model = model
+        self.max_step_tokens = max_step_tokens  # 0: no budget
         self.kv = kv
         self.pool = pool
         self.metrics = metrics
@@ -249,7 +255,7 @@ class Scheduler:
                     blocks=tuple(seq.block_ids),
                     banned=seq.banned_tokens(),
                 ))
-        return work
+        return within_budget(work, self.max_step_tokens) if self.max_step_tokens else work
 
     def _admit_waiting(self) -> None:
         """Hand prompt blocks to waiting requests in arrival order (after preempted ones)."""
@@ -361,6 +367,24 @@ class Scheduler:
                     group.remove(seq)
                     self.release(seq, "error")
                     seq.queue.put_nowait(EngineError(f"model step failed: {error}"))
+
+
+def within_budget(work: list[Work], max_tokens: int) -> list[Work]:
+    """A step's work within `max_tokens`: every decode (one token), then prompts in the
+    order given (arrival) while the budget lasts, at least one; the prompts left out stay
+    running and go in a later step."""
+    budget = max_tokens - sum(len(w.ids) == 1 for w in work)
+    kept: list[Work] = []
+    prompts = 0
+    for w in work:
+        if len(w.ids) > 1:
+            if prompts and len(w.ids) > budget:
+                budget = 0  # first come, first served: no later prompt jumps this one
+                continue
+            prompts += 1
+            budget -= len(w.ids)
+        kept.append(w)
+    return kept
 
 
 def _sample(w: Work, row: torch.Tensor) -> int:

@@ -281,3 +281,22 @@ async def test_a_refusal_after_a_kept_alive_connection_closed_is_not_connect_fai
         await second
     assert (len(requests), len(accepted)) == (2, 1)
     await pool.close()
+
+
+async def test_two_kept_alive_connections_closed_in_a_row_are_dropped_not_a_crash() -> None:
+    """The retry may meet a second stale idle connection (an engine that closed every
+    connection at once): that is `Dropped`, after one retry, never an internal error."""
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(OK)
+        await writer.drain()
+        await read_request(reader)  # the next request on this connection: dropped
+
+    async with server(handler) as (url, accepted):
+        pool = new_pool()
+        assert await asyncio.gather(get(pool, url), get(pool, url)) == [(200, b"ok")] * 2
+        assert len(accepted) == 2  # two idle connections now
+        with pytest.raises(Dropped):
+            await get(pool, url)
+        assert len(accepted) == 2  # no third connection: one retry only
+        await pool.close()

@@ -212,7 +212,8 @@ class ConnectionPool:
                 await conn.read_headers(deadline)
             except Dropped:
                 self.release(origin, conn, False)
-                if reused and not conn.got_bytes and loop.time() - sent < STALE_CLOSE_S:
+                if not attempt and reused and not conn.got_bytes and \
+                        loop.time() - sent < STALE_CLOSE_S:
                     continue  # the server closed this idle connection as the request left
                 raise
             except BaseException:

@@ -53,6 +53,16 @@ async def read_request(reader: asyncio.StreamReader) -> bytes:
     return head
 
 
+async def answer_then_take(reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                           ) -> tuple[bytes, bytes]:
+    """A handler's opening: answer the connection's first request, then read (and leave
+    unanswered) the next one; both requests' heads."""
+    first = await read_request(reader)
+    writer.write(OK)
+    await writer.drain()
+    return first, await read_request(reader)
+
+
 async def get(pool: ConnectionPool, url: str, timeout: float = 2.0) -> tuple[int, bytes]:
     deadline = asyncio.get_running_loop().time() + timeout
     resp = await pool.request("POST", url, "/x", b"{}", {}, connect_deadline=deadline,
@@ -84,10 +94,7 @@ async def test_keep_alive_reuses_one_connection() -> None:
 
 async def test_a_kept_alive_connection_the_server_closed_is_retried_once() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(OK)
-        await writer.drain()
-        await read_request(reader)  # the next request arrives and is dropped unanswered
+        await answer_then_take(reader, writer)  # the second is dropped unanswered
 
     async with server(handler) as (url, accepted):
         pool = new_pool()
@@ -102,10 +109,7 @@ async def test_a_kept_alive_connection_dropped_after_the_engine_took_the_request
     requests: list[bytes] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        requests.append(await read_request(reader))
-        writer.write(OK)
-        await writer.drain()
-        requests.append(await read_request(reader))
+        requests.extend(await answer_then_take(reader, writer))
         await asyncio.sleep(2 * STALE_CLOSE_S)  # working on it... then the engine dies
 
     async with server(handler) as (url, accepted):
@@ -266,10 +270,7 @@ async def test_a_refusal_after_a_kept_alive_connection_closed_is_not_connect_fai
     requests: list[bytes] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        requests.append(await read_request(reader))
-        writer.write(OK)
-        await writer.drain()
-        requests.append(await read_request(reader))
+        requests.extend(await answer_then_take(reader, writer))
         took.set()  # the engine took it... and dies at once, nothing listens any more
 
     async with server(handler) as (url, accepted):
@@ -287,10 +288,7 @@ async def test_two_kept_alive_connections_closed_in_a_row_are_dropped_not_a_cras
     """The retry may meet a second stale idle connection (an engine that closed every
     connection at once): that is `Dropped`, after one retry, never an internal error."""
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await read_request(reader)
-        writer.write(OK)
-        await writer.drain()
-        await read_request(reader)  # the next request on this connection: dropped
+        await answer_then_take(reader, writer)  # the second is dropped unanswered
 
     async with server(handler) as (url, accepted):
         pool = new_pool()

@@ -160,8 +160,11 @@ class Admission:
         may = self.active < self.max_concurrent if flow is None else \
             self._may_start(self._flow(priority, flow))
         if not may and self._queued >= self.max_queued:
-            raise Overloaded("the router is at capacity; retry later",
-                             retry_after_s=self.retry_after_s)
+            raise self._full()
+
+    def _full(self) -> Overloaded:
+        return Overloaded("the router is at capacity; retry later",
+                          retry_after_s=self.retry_after_s)
 
     async def acquire(self, priority: int = 0, flow: str = "") -> Slot:
         """Take a slot, waiting in the queue if needed: `priority` (lower is earlier) and
@@ -174,7 +177,8 @@ class Admission:
             self._changed()
             self._waited("admitted", 0.0, priority)
             return Slot(self._release, key)
-        self.check_room(priority, flow)
+        if self._queued >= self.max_queued:  # no slot it may take, and no room to queue
+            raise self._full()
         waiter = self._enqueue(key)
         queued_at = time.perf_counter()
         try:

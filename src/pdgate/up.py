@@ -114,7 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--side-channel-port-base", type=int, default=5600,
         help="first NIXL side-channel port; engine i uses base+i",
     )
-    p.add_argument("--device", default="cpu", help="engine device: cpu, cuda or cuda:N")
+    p.add_argument("--device", default="cpu",
+                   help="engine device: cpu, cuda or cuda:N; a comma list (cuda:0,cuda:1,...) "
+                   "gives the engines its devices in turn, in start order (each model's "
+                   "prefill engines, then its decode engines)")
     p.add_argument("--dtype", default=None, help="engine dtype (default: float32 on cpu)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per engine")
@@ -178,7 +181,7 @@ def _engine_argv(args: argparse.Namespace, plan: ModelPlan, name: str, i: int) -
         sys.executable, "-m", "pdgate.engine_shim",
         "--model", plan.model_dir, "--served-model-name", plan.name,
         "--host", args.host, "--port", str(args.engine_port_base + i),
-        "--device", args.device, "--block-size", str(args.block_size),
+        "--device", engine_device(args.device, i), "--block-size", str(args.block_size),
         "--num-blocks", str(args.num_blocks), "--engine-id", name,
         "--side-channel-host", args.host,
         "--side-channel-port", str(args.side_channel_port_base + i),
@@ -198,6 +201,13 @@ def _engine_argv(args: argparse.Namespace, plan: ModelPlan, name: str, i: int) -
     role_extra: list[str] = (args.prefill_engine_arg if _is_prefill(name)
                              else args.decode_engine_arg)
     return argv + extra + role_extra
+
+
+def engine_device(spec: str, i: int) -> str:
+    """The device of the `i`-th engine started: `spec` is one device or a comma list taken
+    in turn (one engine per GPU on a multi-GPU host, as each pool would have in production)."""
+    devices = [d.strip() for d in spec.split(",") if d.strip()]
+    return devices[i % len(devices)]
 
 
 def _is_prefill(name: str) -> bool:
@@ -429,6 +439,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.colocated_models <= args.models or args.models < 1:
         print("pdgate up: --models must be >= 1 and --colocated-models in 0..--models",
               file=sys.stderr)
+        return 2
+    if not any(d.strip() for d in args.device.split(",")):
+        print("pdgate up: --device names no device", file=sys.stderr)
         return 2
     if args.models > 1 and args.model != "tiny" and not _is_tiny(Path(args.model)):
         print("pdgate up: --models N > 1 serves seeded copies of the built-in tiny model "

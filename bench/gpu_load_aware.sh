@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Issue 30's two benches on a GPU host, one engine per GPU: bench/decider.py (2P2D,
+# measured-cost against static) and bench/priority.py (1P1D, a flood and an interactive
+# key), CUDA shim engines serving Llama-3-8B's layer shape (bench/llama8b_shape.py,
+# LAYERS of its 32, random bf16 weights built here). Figures go to $OUT (or ./gpu-out).
+#
+#   bash bench/gpu_load_aware.sh [decider|priority|both]
+#
+# Wheels the host lacks are installed from .whl/ (or .whlslim/: the same with nixl's unused
+# expert-parallel extensions cut, to fit a 64 MiB carry); without either the packages must
+# already be installed (pip install -e '.[shim]').
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-both}
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+wheels=$(ls -d .whl .whlslim 2>/dev/null | head -1 || true)
+if [ -n "$wheels" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "$wheels"/*.whl
+    export PYTHONPATH=/tmp/site:$PWD/src
+fi
+export PYTHONUNBUFFERED=1
+n=$(nvidia-smi -L | wc -l)
+devices=$(seq -s, -f 'cuda:%g' 0 $((n - 1)))
+echo "gpus: $n ($devices); commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+nvidia-smi -L
+model=/tmp/l8
+[ -d $model ] || python3 bench/llama8b_shape.py $model --layers "${LAYERS:-8}" --device cuda
+if [ "$what" != priority ]; then
+    python3 bench/decider.py --device "$devices" --up-arg=--model=$model \
+        --burst "${BURST:-160}" --mixed "${MIXED:-96}" --keep-logs "$out/logs" ${DECIDER_ARGS:-} --json 2>&1 | tee "$out/decider.txt"
+fi
+if [ "$what" != decider ]; then
+    python3 bench/priority.py --up-arg=--device="$devices" --up-arg=--model=$model \
+        --prompt-tokens "${PROMPT_TOKENS:-480}" --max-tokens 64 --flood-max-tokens 64 \
+        --interactive "${INTERACTIVE:-60}" --json 2>&1 | tee "$out/priority.txt"
+fi

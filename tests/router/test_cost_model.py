@@ -16,6 +16,7 @@ from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies.cost_model import CostModel, Queue, bucket_of
 from pdgate.router.policies.decider import PrefixDecider
 from pdgate.router.policies.measured_cost import MeasuredCostDecider, MeasuredCostParams, Modes
+from pdgate.router.policies import PickContext, build_policy, choose
 from pdgate.router.policies.setup import build_decider
 from pdgate.router.pool import EndpointPool
 from pdgate.router.request_context import RequestRecord
@@ -218,6 +219,42 @@ def test_requests_in_their_prefill_count_as_that_engines_queue() -> None:
     record.watcher.prefill_done(1.0)
     q = decider.queues(decider.pool.endpoints("prefill"), decider.pool.endpoints("decode"))
     assert q[P0] == 0.0
+
+
+async def test_a_burst_counts_each_request_where_its_leg_was_given() -> None:
+    """Requests decided back to back (a burst) see each other: one decided but not yet given
+    to an engine counts as a share on each engine of its role, and once the runner chose its
+    engine (before any byte is back) it counts there in full."""
+    decider, pool, _, clock = make(MeasuredCostParams(prior_tps=1000.0, min_dwell_s=0.0))
+    for ep in pool.endpoints("prefill"):  # a congested P pool: D alone is cheaper
+        ep.load = EngineLoad(8.0, 2.0, 0.5, clock.t)
+    records, reqs = [], []
+    for i in range(2):
+        record = RequestRecord("POST", "/v1/completions", arrival=clock.t)
+        token = request_context.open_record(record)
+        try:
+            reqs.append(request(1000, f"r{i}"))
+            assert decider.decide(reqs[-1]).reason == "cost_direct"
+        finally:
+            request_context.close_record(token)
+        records.append(record)
+    # Neither leg was given yet: 2 x 1000 tokens, half on each D.
+    q = decider.queues(pool.endpoints("prefill"), pool.endpoints("decode"))
+    assert (q[D0], q[D1]) == (1000.0, 1000.0)
+    assert records[1].predicted_ttft_s == pytest.approx((1000 + 500) / 1000)
+    token = request_context.open_record(records[0])
+    try:
+        ep = await choose(pool, "decode", build_policy("round-robin"), PickContext("r0"))
+    finally:
+        request_context.close_record(token)
+    q = decider.queues(pool.endpoints("prefill"), pool.endpoints("decode"))
+    other = D1 if ep.key == D0 else D0
+    assert (q[ep.key], q[other]) == (1500.0, 500.0)
+    watcher = records[0].watcher
+    assert watcher is not None
+    watcher.first_token(1.0)  # its prompt is computed: no longer queued
+    q = decider.queues(pool.endpoints("prefill"), pool.endpoints("decode"))
+    assert (q[ep.key], q[other]) == (500.0, 500.0)
 
 
 def test_decider_specs() -> None:

@@ -13,6 +13,12 @@ times to first token over the healthy engines, with each engine's queue:
 - on a D: the prompt tokens of direct requests still waiting for their first token there,
   its decode batch (one token each per step), and its queued requests.
 
+A request counts on the engine its leg was given to from the moment the runner chose it
+(router/policies/runner.py tells the request's watcher), not from its first byte back: a
+burst's requests are decided before any leg has answered. One decided but not yet given
+counts as an equal share on each engine of its role (its engine is chosen after the
+decision).
+
 Reasons (the `reason` label of `pdgate_disagg_decisions_total`, and the access log's
 `decision` field):
 
@@ -128,6 +134,18 @@ class _Pending:
     overhead: float  # predicted seconds of a disaggregated request beyond its P leg
     prefill_s: float | None = None
     first: bool = False
+    sent_to: dict[str, str] = field(default_factory=dict)  # role -> endpoint key
+
+    def sent(self, role: str, key: str) -> None:
+        self.sent_to[role] = key
+
+    def waiting_on(self) -> tuple[str, str | None] | None:
+        """(role, endpoint key or None while not yet sent) of the engine that still has
+        this request's prompt to compute; None once that prefill is done."""
+        role = "decode" if self.direct else "prefill"
+        if self.first if self.direct else self.prefill_s is not None:
+            return None
+        return role, self.sent_to.get(role) or self.req.served_by.get(role)
 
     def prefill_done(self, seconds: float) -> None:
         if self.prefill_s is None:
@@ -229,23 +247,31 @@ class MeasuredCostDecider:
     def queues(self, prefill: Sequence[Endpoint], decode: Sequence[Endpoint]) -> dict[str, float]:
         """Queued prompt tokens per endpoint key (module docstring)."""
         mine: dict[str, float] = {}
+        # Decided but not yet given to an engine (the leg's engine is chosen after the
+        # decision): it will land on one of the role's engines, so each holds a share.
+        unsent = {"prefill": 0.0, "decode": 0.0}
         for p in self._pending.values():
-            role = "decode" if p.direct else "prefill"
-            key = p.req.served_by.get(role)
-            if key is None or (p.first if p.direct else p.prefill_s is not None):
+            at = p.waiting_on()
+            if at is None:
                 continue
-            mine[key] = mine.get(key, 0.0) + p.n
+            role, key = at
+            if key is None:
+                unsent[role] += p.n
+            else:
+                mine[key] = mine.get(key, 0.0) + p.n
         now = self._load_clock()
         out: dict[str, float] = {}
+        share = unsent["prefill"] / len(prefill) if prefill else 0.0
         for ep in prefill:
             load = self._fresh(ep, now)
             extra = 0.0 if load is None else load.others_queued * self._mean_n
-            out[ep.key] = mine.get(ep.key, 0.0) + extra
+            out[ep.key] = mine.get(ep.key, 0.0) + extra + share
+        share = unsent["decode"] / len(decode) if decode else 0.0
         for ep in decode:
             load = self._fresh(ep, now)
             batch = float(ep.in_flight) + (0.0 if load is None else load.others_running)
             waiting = 0.0 if load is None else load.waiting * self._mean_n
-            out[ep.key] = mine.get(ep.key, 0.0) + batch + waiting
+            out[ep.key] = mine.get(ep.key, 0.0) + batch + waiting + share
         return out
 
     def _fresh(self, ep: Endpoint, now: float) -> EngineLoad | None:

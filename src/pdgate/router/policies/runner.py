@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
+from pdgate.router import request_context
 from pdgate.router.errors import NoEndpointAvailable
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies.base import PickContext, Policy, PolicyEnv
@@ -125,4 +126,7 @@ async def choose(
             traced.set_attribute("pdgate.engine", ep.key)
     if need is not None:
         await need.ensure(ep)
+    record = request_context.current()
+    if record is not None and record.watcher is not None:
+        record.watcher.sent(role, ep.key)
     return ep

@@ -13,10 +13,10 @@ from pdgate.router.config import ConfigError, PolicySpec
 from pdgate.router.engine_load import EngineLoad
 from pdgate.router.input.schema import ClientRequest, CompletionParams
 from pdgate.router.metrics import RouterMetrics
+from pdgate.router.policies import PickContext, build_policy, choose
 from pdgate.router.policies.cost_model import CostModel, Queue, bucket_of
 from pdgate.router.policies.decider import PrefixDecider
 from pdgate.router.policies.measured_cost import MeasuredCostDecider, MeasuredCostParams, Modes
-from pdgate.router.policies import PickContext, build_policy, choose
 from pdgate.router.policies.setup import build_decider
 from pdgate.router.pool import EndpointPool
 from pdgate.router.request_context import RequestRecord

@@ -3,6 +3,7 @@
 # measured-cost against static) and bench/priority.py (1P1D, a flood and an interactive
 # key), CUDA shim engines serving Llama-3-8B's layer shape (bench/llama8b_shape.py,
 # LAYERS of its 32, random bf16 weights built here). Figures go to $OUT (or ./gpu-out).
+# The engines' step budget is vLLM's default for online serving (2,048 tokens a step).
 #
 #   bash bench/gpu_load_aware.sh [decider|priority|both]
 #
@@ -29,7 +30,9 @@ model=/tmp/l8
 [ -d $model ] || python3 bench/llama8b_shape.py $model --layers "${LAYERS:-8}" --device cuda
 if [ "$what" != priority ]; then
     python3 bench/decider.py --device "$devices" --up-arg=--model=$model \
-        --burst "${BURST:-160}" --mixed "${MIXED:-96}" --keep-logs "$out/logs" ${DECIDER_ARGS:-} --json 2>&1 | tee "$out/decider.txt"
+        --burst "${BURST:-160}" --mixed "${MIXED:-96}" --keep-logs "$out/logs" \
+        --up-arg=--engine-arg=--max-num-batched-tokens=2048 ${DECIDER_ARGS:-} --json 2>&1 \
+        | tee "$out/decider.txt"
 fi
 if [ "$what" != decider ]; then
     python3 bench/priority.py --up-arg=--device="$devices" --up-arg=--model=$model \

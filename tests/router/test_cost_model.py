@@ -128,7 +128,7 @@ def test_a_congested_prefill_pool_sends_long_prompts_to_idle_decoders() -> None:
     assert decider.decide(request(100)).reason in {"cost_direct", "cost_disagg"}
     # Stale figures are ignored: back to equal predictions, the bucket holds D alone
     # (hysteresis) until P is predicted cheaper by the margin.
-    clock.t += 10
+    clock.t += 6
     assert decider.decide(request(1000)).reason == "cost_direct"
 
 
@@ -156,6 +156,57 @@ def test_bounds_and_the_decode_itl_guard() -> None:
     for ep in pool.endpoints("decode"):
         ep.load = EngineLoad(0.0, 2.0, 0.1, clock.t, mine=1)
     assert decider.decide(request(800)).reason == "decode_itl_guard"
+
+
+def test_a_mode_left_unmeasured_is_probed_and_what_the_probe_measures_counts() -> None:
+    """A bucket held in one mode never measures the other: after `probe_s` one request
+    takes it (reason `probe`, one at a time), and its measurement can switch the bucket."""
+    params = MeasuredCostParams(prior_tps=1000.0, probe_s=5.0, min_dwell_s=0.0, alpha=1.0)
+    decider, pool, metrics, clock = make(params)
+    for ep in pool.endpoints("prefill"):  # P congested as the engines last reported
+        ep.load = EngineLoad(8.0, 2.0, 0.5, clock.t)
+    # D alone measured slow on both Ds (1 s for 1,000 tokens): nothing shows P got faster.
+    for i, d in enumerate((D0, D1)):
+        _served(decider, request(1000, f"d{i}"), {"decode": d}, clock.t, None, 1.0)
+    assert decider.modes.mode(bucket_of(1000)) is True  # D alone
+    clock.t += 4.0
+    assert decider.decide(request(1000)).reason == "cost_direct"  # not yet due
+    clock.t += 1.0
+    for ep in pool.endpoints("prefill"):
+        ep.load = EngineLoad(8.0, 2.0, 0.5, clock.t)
+    record = RequestRecord("POST", "/v1/completions", arrival=clock.t)
+    token = request_context.open_record(record)
+    try:
+        probe = request(1000, "probe")
+        d = decider.decide(probe)
+    finally:
+        request_context.close_record(token)
+    assert (d.disagg, d.reason) == (True, "probe")
+    # The probe is out: the next request keeps the bucket's mode.
+    assert decider.decide(request(1000, "r3")).reason == "cost_direct"
+    # P answered fast: its queue had drained (the engines' read was stale).
+    probe.served_by.update({"prefill": P0, "decode": D0})
+    assert record.watcher is not None
+    record.watcher.prefill_done(0.1)
+    record.watcher.first_token(0.11)
+    record.watcher.ended()
+    for ep in pool.endpoints("prefill"):
+        ep.load = EngineLoad(0.0, 0.0, 0.1, clock.t)
+    # The bucket switches back to P then D; D alone, unmeasured for 5 s now, is probed.
+    d = decider.decide(request(1000, "r4"))
+    assert decider.modes.mode(bucket_of(1000)) is False
+    assert (d.disagg, d.reason) == (False, "probe")
+    assert decider.decide(request(1000, "r5")).reason == "cost_disagg"
+
+
+def test_a_probe_to_a_busy_decoder_is_held_by_the_itl_guard() -> None:
+    params = MeasuredCostParams(prior_tps=1000.0, probe_s=5.0, itl_stall_s=0.5)
+    decider, pool, _, clock = make(params)
+    for ep in pool.endpoints("decode"):
+        ep.in_flight = 2  # decoding: a 1 s prefill would stall them
+    clock.t += 5.0
+    d = decider.decide(request(1000))
+    assert (d.disagg, d.reason) == (True, "decode_itl_guard")
 
 
 def test_no_prefill_engine_keeps_the_static_answer() -> None:

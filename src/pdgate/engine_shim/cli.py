@@ -27,6 +27,7 @@ from pdgate.engine_shim.logs import LOG_FORMATS, RequestIdMiddleware, setup_logg
 from pdgate.engine_shim.metrics import ShimMetrics
 from pdgate.engine_shim.server import ConnectorFactory, ManagedConnector, ServerSettings, create_app
 from pdgate.engine_shim.tracing import open_tracing, traced
+from pdgate.engine_shim.warmup import default_warmup_tokens
 
 log = logging.getLogger("pdgate.engine_shim")
 
@@ -59,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens one step may compute (vLLM's flag): every decode, then "
                    "prompts first come first served while it lasts, at least one (prompts "
                    "are not chunked); default 0: every waiting prompt in each step")
+    p.add_argument("--warmup-tokens", type=int, default=None,
+                   help="run one prompt this long at startup, before /health answers, so "
+                   "the first request does not pay the GPU's first use (as vLLM warms up); "
+                   "default 1024 on CUDA, 0 (none) on CPU")
     p.add_argument("--engine-id", default=None,
                    help="NIXL engine id announced to peers (default: a random uuid)")
     p.add_argument("--side-channel-host", default="127.0.0.1",
@@ -283,6 +288,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         push_grace=args.kv_push_grace_seconds,
         reservation_abort_grace=args.kv_abort_grace_seconds,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        warmup_tokens=default_warmup_tokens(args.device) if args.warmup_tokens is None
+        else max(0, args.warmup_tokens),
     )
 
 

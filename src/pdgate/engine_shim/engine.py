@@ -116,6 +116,7 @@ class EngineConfig:
     # when a WRITE into them may still land (`write_possible`).
     reservation_abort_grace: float = 2.0
     max_num_batched_tokens: int = 0  # tokens per step (scheduler.py); 0: no budget
+    warmup_tokens: int = 0  # a prompt this long runs once at startup (warmup.py); 0: none
 
 
 class Engine:

@@ -42,6 +42,7 @@ from pdgate.engine_shim.connector_api import KVConnectorAPI
 from pdgate.engine_shim.engine import Engine, EngineError, RequestStream
 from pdgate.engine_shim.sequence import GenerateRequest, KVRole, StepOutput
 from pdgate.engine_shim.tracing import span
+from pdgate.engine_shim.warmup import warm_up
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ def create_app(engine: Engine, *, connector_factory: ConnectorFactory | None = N
                         "to anyone who can reach its port")
         try:
             await engine.start()
+            await warm_up(engine, engine.config.warmup_tokens)
             yield
         finally:
             await engine.stop()  # fails what is in flight and frees its blocks

@@ -29,10 +29,17 @@ Reasons (the `reason` label of `pdgate_disagg_decisions_total`, and the access l
 | `decode_itl_guard` | yes    | D alone would be cheaper, but its prefill would stall the   |
 |                    |        | D's running decodes longer than `itl_stall_s`               |
 | `long_prompt`      | yes    | more prompt tokens than `max_direct_tokens`                 |
+| `probe`            | either | the mode the bucket does not hold, measured again (below)   |
 
 Hysteresis: each prompt-length bucket keeps a mode; it changes only when the other mode is
 predicted cheaper by more than `margin`, and at most once per `min_dwell_s`, so decisions do
-not flap (`pdgate_decider_switches_total{to}` counts changes). What each request then
+not flap (`pdgate_decider_switches_total{to}` counts changes).
+
+Probes: a mode the bucket does not hold is not measured, so its prediction would keep
+whatever it last learnt (a cold engine's first request, a queue long gone) and the bucket
+would never switch back. When a bucket's other mode has gone `probe_s` without a
+measurement, one request takes it (`probe`; the ITL guard still applies), and what it
+measures corrects the prediction. What each request then
 measures (its P leg, its time to first token) teaches the predictor, and the ratio measured
 / predicted is observed in `pdgate_decider_prediction_ratio{choice}`.
 
@@ -43,6 +50,7 @@ measures (its P leg, its time to first token) teaches the predictor, and the rat
 | `itl_stall_s`       | 1.0     | longest stall of a busy D's decodes that D alone may   |
 |                     |         | cause, in seconds (0: no guard)                        |
 | `max_direct_tokens` | 0       | longer prompts always disaggregate (0: no bound)       |
+| `probe_s`           | 10.0    | a mode unmeasured this long gets one request (0: never) |
 | `alpha`             | 0.3     | weight of the newest measurement in each average       |
 | `prior_tps`         | 2000    | prefill tokens/s assumed before anything was measured  |
 | `stale_s`           | 5.0     | engine `/metrics` figures older than this are ignored  |
@@ -90,6 +98,7 @@ class MeasuredCostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     min_dwell_s: Annotated[float, Meta(ge=0.0)] = 1.0
     itl_stall_s: Annotated[float, Meta(ge=0.0)] = 1.0
     max_direct_tokens: Annotated[int, Meta(ge=0)] = 0
+    probe_s: Annotated[float, Meta(ge=0.0)] = 10.0
     alpha: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.3
     prior_tps: Annotated[float, Meta(gt=0.0)] = 2000.0
     stale_s: Annotated[float, Meta(gt=0.0)] = 5.0
@@ -182,6 +191,9 @@ class MeasuredCostDecider:
         self._load_clock = load_clock
         self._pending: dict[str, _Pending] = {}
         self._mean_n = 0.0  # mean prompt tokens of decided requests (EWMA)
+        # (bucket, direct) -> when that mode was last measured, or last probed
+        self._measured: dict[tuple[int, bool], float] = {}
+        self._start = clock()
         if metrics is not None:
             self._publish(metrics)
 
@@ -234,12 +246,25 @@ class MeasuredCostDecider:
         queues = self.queues(prefill, decode)
         t_pd = self.model.ttft_disagg((Queue(ep.key, queues[ep.key]) for ep in prefill), n)
         t_d, d_key = self.model.best((Queue(ep.key, queues[ep.key]) for ep in decode), n)
-        direct = self._mode(bucket_of(n), t_pd, t_d)
+        b = bucket_of(n)
+        direct = self._mode(b, t_pd, t_d)
         reason = "cost_direct" if direct else "cost_disagg"
+        if self._probe_due(b, not direct):
+            direct, reason = not direct, "probe"
         if direct and self._stalls_decodes(decode, d_key, n):
             direct, reason = False, "decode_itl_guard"
         self._watch(req, n, direct, queues, t_d if direct else t_pd, reason)
         return Decision(not direct, reason)
+
+    def _probe_due(self, bucket: int, direct: bool) -> bool:
+        """Whether bucket's mode `direct` went `probe_s` unmeasured (and unprobed): if so,
+        it is marked probed now."""
+        every = self.params.probe_s
+        now = self._clock()
+        if not every or now - self._measured.get((bucket, direct), self._start) < every:
+            return False
+        self._measured[(bucket, direct)] = now
+        return True
 
     def _predict_all(self, queues: dict[str, float], n: int) -> dict[str, float]:
         return {k: self.model.prefill_s(Queue(k, q), n) for k, q in queues.items()}
@@ -311,6 +336,7 @@ class MeasuredCostDecider:
         key = p.req.served_by.get("prefill")
         if key is not None and not p.direct:
             self.model.learn_prefill(Queue(key, p.queues.get(key, 0.0)), p.n, seconds)
+            self._measured[(bucket_of(p.n), False)] = self._clock()
 
     def _learn_first(self, p: _Pending, seconds: float) -> None:
         role = "decode" if p.direct else "prefill"
@@ -321,6 +347,7 @@ class MeasuredCostDecider:
         predicted = p.predicted.get(key, 0.0)
         if p.direct:
             self.model.learn_prefill(q, p.n, seconds)
+            self._measured[(bucket_of(p.n), True)] = self._clock()
         elif p.prefill_s is not None:
             predicted += p.overhead
             self.model.learn_overhead(p.n, seconds - p.prefill_s)

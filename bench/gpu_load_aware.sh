@@ -36,6 +36,6 @@ if [ "$what" != priority ]; then
 fi
 if [ "$what" != decider ]; then
     python3 bench/priority.py --up-arg=--device="$devices" --up-arg=--model=$model \
-        --prompt-tokens "${PROMPT_TOKENS:-480}" --max-tokens 64 --flood-max-tokens 64 \
-        --interactive "${INTERACTIVE:-60}" --json 2>&1 | tee "$out/priority.txt"
+        --prompt-tokens "${PROMPT_TOKENS:-480}" --max-tokens 32 --flood-max-tokens 32 \
+        --interactive "${INTERACTIVE:-30}" --json 2>&1 | tee "$out/priority.txt"
 fi

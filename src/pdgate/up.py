@@ -308,13 +308,20 @@ def _http_json(url: str, body: dict[str, object] | None = None, timeout: float =
         return err.code, json.loads(err.read() or b"{}"), dict(err.headers)
 
 
-def _wait_ready(cluster: Cluster, child: Child, path: str, deadline: float) -> None:
+def _wait_ready(cluster: Cluster, child: Child, path: str, deadline: float,
+                engines: int = 0) -> None:
+    """Until `child` answers `path` with 200 (and, `engines` > 0, the router's /ready counts
+    that many healthy engines: it is ready with one pair, but a cluster is up when the
+    router sees all of it, or a benchmark's first seconds run on part of it)."""
     while time.monotonic() < deadline:
         dead = cluster.dead_child()
         if dead is not None:
             raise RuntimeError(f"{dead.name} exited with {dead.proc.returncode}; see {dead.log}")
         try:
-            if _http_json(child.url + path, timeout=1.0)[0] == 200:
+            status, body, _ = _http_json(child.url + path, timeout=1.0)
+            healthy = sum(v for k in ("prefill_healthy", "decode_healthy")
+                          if isinstance(v := body.get(k), int))
+            if status == 200 and healthy >= engines:
                 return
         # HTTPException: before the child listens, a connect to its port can land on the
         # client's own socket (TCP self-connect) and read its own request back.
@@ -410,7 +417,7 @@ def start_cluster(args: argparse.Namespace, cluster: Cluster) -> tuple[str, list
     deadline = time.monotonic() + args.startup_timeout
     for child in (c for mine in engines for c in mine):
         _wait_ready(cluster, child, "/health", deadline)
-    _wait_ready(cluster, router, "/ready", deadline)
+    _wait_ready(cluster, router, "/ready", deadline, sum(len(mine) for mine in engines))
     return router_url, plans, engines
 
 

@@ -5,13 +5,18 @@ accepts), which is enough to see which process got which."""
 
 from __future__ import annotations
 
+import http.server
+import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 
+from pdgate import up
 from tests.e2e.cluster import child_pids, start_cluster
 
 pytestmark = pytest.mark.slow
@@ -37,6 +42,42 @@ def test_engines_take_the_listed_devices_in_turn(tiny_model_dir: Path, tmp_path:
         assert r.json()["usage"]["completion_tokens"] == 4
     finally:
         assert c.stop() == 0
+
+
+def test_up_waits_until_the_router_counts_every_engine(tmp_path: Path) -> None:
+    """A router is ready with one healthy pair and sees later engines at its next health
+    check (seen on a GPU host: engines warming up, two of four healthy for 5 s, while a
+    benchmark's burst ran). `pdgate up` waits until the router's /ready counts them all. The
+    router here answers /ready as a real one does while it sees 2, then 4 engines."""
+    answers = [(1, 1)] * 3 + [(2, 2)]
+    asked: list[int] = []
+
+    class Router(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            p, d = answers[min(len(asked), len(answers) - 1)]
+            asked.append(p + d)
+            body = json.dumps({"status": "ready", "prefill_healthy": p,
+                               "decode_healthy": d}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Router)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        router = up.Child("router", url, subprocess.Popen(["sleep", "30"]), tmp_path / "log")
+        cluster = up.Cluster(tmp_path, [router])
+        up._wait_ready(cluster, router, "/ready", time.monotonic() + 30, engines=4)
+        assert asked == [2, 2, 2, 4]
+        router.proc.kill()
+        router.proc.wait()
+    finally:
+        server.shutdown()
 
 
 def test_a_device_list_naming_nothing_is_refused() -> None:

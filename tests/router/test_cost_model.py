@@ -54,6 +54,26 @@ def test_rates_learn_from_recorded_prefills_and_borrow_until_measured() -> None:
     assert m.rate(P0, 1000) == 3000.0
 
 
+def test_a_queue_runs_at_its_own_prompts_rate() -> None:
+    """Recorded on a 2-GPU host: a 1,500-token prompt alone took 20 ms, a 64-token one 20 ms
+    too (the engine's fixed cost per request). A short prompt behind a long one takes both,
+    not 1,564 tokens at the short bucket's "rate"."""
+    m = CostModel(alpha=1.0, prior_tps=1000.0)
+    m.learn_prefill(Queue(P0, 0), 1500, 0.02)
+    m.learn_prefill(Queue(P0, 0), 64, 0.02)
+    assert (m.rate(P0, 1500), m.rate(P0, 64)) == (pytest.approx(75_000), pytest.approx(3_200))
+    assert m.prefill_s(Queue(P0, 1500, 1500), 64) == pytest.approx(0.02 + 0.02)
+    assert m.prefill_s(Queue(P0, 1500), 64) == pytest.approx(1564 / 3200)  # length unknown
+    # Queued prompts as long as the request's: one rate for all.
+    assert m.prefill_s(Queue(P0, 1500, 1400), 1500) == pytest.approx(3000 / 75_000)
+    # Learning: what is left after the queue's predicted time is the prompt's own...
+    m.learn_prefill(Queue(P0, 1500, 1500), 64, 0.05)
+    assert m.rate(P0, 64) == pytest.approx(64 / 0.03)
+    # ...and at least a quarter of what was measured (the queue drained faster).
+    m.learn_prefill(Queue(P0, 15_000, 1500), 64, 0.05)
+    assert m.rate(P0, 64) == pytest.approx(64 / 0.0125)
+
+
 def test_overhead_is_learnt_per_bucket() -> None:
     m = CostModel(alpha=1.0)
     assert m.overhead(1000) == 0.0

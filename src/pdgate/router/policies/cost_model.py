@@ -3,19 +3,28 @@
 Pure arithmetic over what the router measured; no clock, no I/O, so it is tested on recorded
 signals (tests/router/test_cost_model.py). The model, per engine `e` and prompt of `n` tokens:
 
-    prefill time on e  = (n + queued_e) / rate_e(bucket(n))
+    prefill time on e  = (n + queued_e) / rate_e(bucket(n))          queued prompts as long
+                       = queued_e / rate_e(bucket(m)) + n / rate_e(bucket(n))   otherwise
     TTFT of P then D   = min over P of  prefill time on P          + overhead(bucket(n))
     TTFT of D alone    = min over D of  prefill time on D (queued_D includes its decode batch)
 
 `queued_e` is the prompt work ahead of the request on `e` in tokens (`Queue`: the prompts
 the router sent there and that have not produced their first token, plus what the engine's
-own `/metrics` shows beyond that). `rate_e` is a prefill rate in tokens/s learned per engine
-and per prompt-length bucket (powers of two from 128 tokens) from the router's measurements:
-each P leg's duration, and each direct request's time to first token. `overhead` is what a
-disaggregated request takes beyond its P leg (KV transfer and D's first step), learned per
-bucket. All three are exponentially weighted moving averages (`alpha`); an engine or bucket
-never measured borrows the nearest figure measured (same engine, other buckets; same
-bucket, other engines), then `prior_tps`.
+own `/metrics` shows beyond that), and `m` the typical length of those queued prompts (the
+decider's token-weighted mean prompt length). `rate_e` is a prefill rate in tokens/s learned
+per engine and per prompt-length bucket (powers of two from 128 tokens) from the router's
+measurements: each P leg's duration, and each direct request's time to first token.
+`overhead` is what a disaggregated request takes beyond its P leg (KV transfer and D's first
+step), learned per bucket. All three are exponentially weighted moving averages (`alpha`);
+an engine or bucket never measured borrows the nearest figure measured (same engine, other
+buckets; same bucket, other engines), then `prior_tps`.
+
+Why two rates: a short prompt's time is mostly the engine's fixed cost per request (a step
+of its running batch, HTTP), so its bucket learns a low "rate"; dividing long prompts queued
+ahead of it by that rate predicted 0.7 s for what took 0.05 s (2-GPU host, mixed phase).
+The queue runs at its own prompts' rate, the request's prompt at its own. A measurement
+teaches the request's bucket what is left of it after the queue's predicted time (at least
+a quarter of it: a queue can drain faster than predicted).
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ class Queue:
 
     key: str  # the endpoint key (router/pool.py)
     tokens: float
+    prompt_n: int = 0  # the queued prompts' typical length (0: the request's own)
 
 
 @dataclass
@@ -83,9 +93,15 @@ class CostModel:
         found = self._overhead.get(bucket_of(n))
         return found.value if found is not None and found.value is not None else 0.0
 
+    def _split(self, q: Queue, n: int) -> bool:
+        """Whether the queue runs at another bucket's rate than the request's prompt."""
+        return q.tokens > 0 and q.prompt_n > 0 and bucket_of(q.prompt_n) != bucket_of(n)
+
     def prefill_s(self, q: Queue, n: int) -> float:
         """Predicted seconds for engine `q.key` to compute an `n`-token prompt behind
         `q.tokens` queued tokens."""
+        if self._split(q, n):
+            return q.tokens / self.rate(q.key, q.prompt_n) + n / self.rate(q.key, n)
         return (n + q.tokens) / self.rate(q.key, n)
 
     def best(self, queues: Iterable[Queue], n: int) -> tuple[float, str | None]:
@@ -111,8 +127,12 @@ class CostModel:
         `q.key` (a P leg, or a direct request's time to first token)."""
         if seconds < _MIN_SECONDS or n <= 0:
             return
-        ewma = self._rates.setdefault((q.key, bucket_of(n)), _Ewma())
-        ewma.add((n + q.tokens) / seconds, self.alpha)
+        if self._split(q, n):
+            own = max(seconds - q.tokens / self.rate(q.key, q.prompt_n), 0.25 * seconds)
+            sample = n / own
+        else:
+            sample = (n + q.tokens) / seconds
+        self._rates.setdefault((q.key, bucket_of(n)), _Ewma()).add(sample, self.alpha)
 
     def learn_overhead(self, n: int, seconds: float) -> None:
         """One disaggregated request's time to first token beyond its P leg."""

@@ -59,7 +59,7 @@ measures (its P leg, its time to first token) teaches the predictor, and the rat
 
 **Capacity signal** (read at each scrape; `pressure()`): `pdgate_pd_pressure{role="prefill"}`
 is the prompt work queued on the healthy P engines over their measured throughput, in
-seconds (Σ queued tokens / Σ prefill tokens/s at the mean prompt length), and
+seconds (Σ queued tokens / Σ prefill tokens/s at a queued prompt's typical length), and
 `pdgate_pd_pressure{role="decode"}` the healthy D engines' mean KV usage from their
 `/metrics` (their decode batches' memory: vLLM preempts at 1.0). `pdgate_pd_recommended_ratio`
 is the P:D ratio (P engines per D engine) that would bring both to their targets:
@@ -139,6 +139,7 @@ class _Pending:
     t_decide: float
     arrival: float
     queues: dict[str, float]  # endpoint key -> queued tokens at the decision
+    queue_n: int  # the typical queued prompt's length then (cost_model.Queue.prompt_n)
     predicted: dict[str, float]  # endpoint key -> predicted prefill seconds there
     overhead: float  # predicted seconds of a disaggregated request beyond its P leg
     prefill_s: float | None = None
@@ -191,6 +192,7 @@ class MeasuredCostDecider:
         self._load_clock = load_clock
         self._pending: dict[str, _Pending] = {}
         self._mean_n = 0.0  # mean prompt tokens of decided requests (EWMA)
+        self._mean_n2 = 0.0  # mean of their square: _mean_n2 / _mean_n weighs by tokens
         # (bucket, direct) -> when that mode was last measured, or last probed
         self._measured: dict[tuple[int, bool], float] = {}
         self._start = clock()
@@ -208,7 +210,7 @@ class MeasuredCostDecider:
         D reported it) over the healthy engines."""
         prefill, decode = self.pool.healthy("prefill"), self.pool.healthy("decode")
         q = self.queues(prefill, ())
-        n = max(1, round(self._mean_n))
+        n = max(1, self.queue_n)
         rates = sum(self.model.rate(ep.key, n) for ep in prefill)
         p = sum(q.values()) / rates if rates else 0.0
         now = self._load_clock()
@@ -238,14 +240,16 @@ class MeasuredCostDecider:
             return base
         n = len(ids)
         self._mean_n += 0.1 * (n - self._mean_n) if self._mean_n else n
+        self._mean_n2 += 0.1 * (n * n - self._mean_n2) if self._mean_n2 else n * n
         if self.params.max_direct_tokens and n > self.params.max_direct_tokens:
             return Decision(True, "long_prompt")
         prefill, decode = self.pool.healthy("prefill"), self.pool.healthy("decode")
         if not prefill or not decode:
             return base  # the flow serves it on D alone when no P is up
         queues = self.queues(prefill, decode)
-        t_pd = self.model.ttft_disagg((Queue(ep.key, queues[ep.key]) for ep in prefill), n)
-        t_d, d_key = self.model.best((Queue(ep.key, queues[ep.key]) for ep in decode), n)
+        m = self.queue_n
+        t_pd = self.model.ttft_disagg((Queue(ep.key, queues[ep.key], m) for ep in prefill), n)
+        t_d, d_key = self.model.best((Queue(ep.key, queues[ep.key], m) for ep in decode), n)
         b = bucket_of(n)
         direct = self._mode(b, t_pd, t_d)
         reason = "cost_direct" if direct else "cost_disagg"
@@ -267,7 +271,14 @@ class MeasuredCostDecider:
         return True
 
     def _predict_all(self, queues: dict[str, float], n: int) -> dict[str, float]:
-        return {k: self.model.prefill_s(Queue(k, q), n) for k, q in queues.items()}
+        m = self.queue_n
+        return {k: self.model.prefill_s(Queue(k, q, m), n) for k, q in queues.items()}
+
+    @property
+    def queue_n(self) -> int:
+        """The typical length of a queued prompt: the token-weighted mean prompt length (a
+        queue's tokens are mostly long prompts'); 0 before any request."""
+        return round(self._mean_n2 / self._mean_n) if self._mean_n else 0
 
     def queues(self, prefill: Sequence[Endpoint], decode: Sequence[Endpoint]) -> dict[str, float]:
         """Queued prompt tokens per endpoint key (module docstring)."""
@@ -328,14 +339,15 @@ class MeasuredCostDecider:
             return
         record.predicted_ttft_s = predicted
         pending = _Pending(self, req, n, direct, self._clock(), record.arrival, queues,
-                           self._predict_all(queues, n), self.model.overhead(n))
+                           self.queue_n, self._predict_all(queues, n), self.model.overhead(n))
         self._pending[req.request_id] = pending
         record.watcher = pending
 
     def _learn_prefill(self, p: _Pending, seconds: float) -> None:
         key = p.req.served_by.get("prefill")
         if key is not None and not p.direct:
-            self.model.learn_prefill(Queue(key, p.queues.get(key, 0.0)), p.n, seconds)
+            self.model.learn_prefill(Queue(key, p.queues.get(key, 0.0), p.queue_n), p.n,
+                                     seconds)
             self._measured[(bucket_of(p.n), False)] = self._clock()
 
     def _learn_first(self, p: _Pending, seconds: float) -> None:
@@ -343,7 +355,7 @@ class MeasuredCostDecider:
         key = p.req.served_by.get(role)
         if key is None:
             return
-        q = Queue(key, p.queues.get(key, 0.0))
+        q = Queue(key, p.queues.get(key, 0.0), p.queue_n)
         predicted = p.predicted.get(key, 0.0)
         if p.direct:
             self.model.learn_prefill(q, p.n, seconds)

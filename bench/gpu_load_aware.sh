@@ -40,5 +40,5 @@ fi
 if [ "$what" != decider ]; then
     python3 bench/priority.py --up-arg=--device="$devices" --up-arg=--model=$model \
         --prompt-tokens "${PROMPT_TOKENS:-480}" --max-tokens 32 --flood-max-tokens 32 \
-        --interactive "${INTERACTIVE:-30}" --json 2>&1 | tee "$out/priority.txt"
+        --interactive "${INTERACTIVE:-30}" ${PRIORITY_ARGS:-} --json 2>&1 | tee "$out/priority.txt"
 fi

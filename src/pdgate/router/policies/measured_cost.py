@@ -39,9 +39,10 @@ Probes: a mode the bucket does not hold is not measured, so its prediction would
 whatever it last learnt (a cold engine's first request, a queue long gone) and the bucket
 would never switch back. When a bucket's other mode has gone `probe_s` without a
 measurement, one request takes it (`probe`; the ITL guard still applies), and what it
-measures corrects the prediction. What each request then
-measures (its P leg, its time to first token) teaches the predictor, and the ratio measured
-/ predicted is observed in `pdgate_decider_prediction_ratio{choice}`.
+measures corrects the prediction.
+
+What each request measures (its P leg, its time to first token) teaches the predictor, and
+the ratio measured / predicted is observed in `pdgate_decider_prediction_ratio{choice}`.
 
 | param               | default | meaning                                                |
 |---------------------|---------|--------------------------------------------------------|

@@ -3,8 +3,9 @@ what a GPU benchmark of P/D should run, since the tiny test model's prefill and 
 small to show what moving KV costs or saves.
 
 Each layer is Llama-3-8B's (hidden 4096, MLP 14336, 32 query heads, 8 KV heads of 128:
-128 KiB of bf16 KV per token per layer); `--layers` takes fewer than its 32 to fit several
-engines on one GPU (KV and prefill work scale with it: say the count with every figure).
+4 KiB of bf16 KV per token per layer, 128 KiB over its 32 layers); `--layers` takes fewer
+than its 32 to fit several engines on one GPU (KV and prefill work scale with it: say the
+count with every figure).
 The vocabulary is the tiny model's (its tokenizer, 512 tokens), so prompts built for the
 tiny model fit. bf16 weights, seeded: the same arguments give the same model.
 

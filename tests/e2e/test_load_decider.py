@@ -25,7 +25,8 @@ pytestmark = pytest.mark.slow
 LONG = "Paged attention stores keys and values in fixed size blocks of tokens. " * 10
 CONFIG = """decider:
   type: measured-cost
-  params: {min_dwell_s: 0.0, margin: 0.2, itl_stall_s: 0.001}
+  # probe_s 0: this test counts exact reasons (probes: tests/router/test_cost_model.py)
+  params: {min_dwell_s: 0.0, margin: 0.2, itl_stall_s: 0.001, probe_s: 0}
 engine_load_interval_s: 0.1
 """
 

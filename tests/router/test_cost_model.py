@@ -219,9 +219,18 @@ def test_a_mode_left_unmeasured_is_probed_and_what_the_probe_measures_counts() -
     assert decider.decide(request(1000, "r5")).reason == "cost_disagg"
 
 
+def test_an_idle_router_does_not_probe_its_first_request() -> None:
+    decider, _, _, clock = make(MeasuredCostParams(prior_tps=1000.0, probe_s=5.0))
+    clock.t += 3600.0
+    assert decider.decide(request(1000)).reason == "cost_disagg"
+    clock.t += 5.0
+    assert decider.decide(request(1000)).reason == "probe"
+
+
 def test_a_probe_to_a_busy_decoder_is_held_by_the_itl_guard() -> None:
     params = MeasuredCostParams(prior_tps=1000.0, probe_s=5.0, itl_stall_s=0.5)
     decider, pool, _, clock = make(params)
+    assert decider.decide(request(1000)).reason == "cost_disagg"  # the bucket's first
     for ep in pool.endpoints("decode"):
         ep.in_flight = 2  # decoding: a 1 s prefill would stall them
     clock.t += 5.0

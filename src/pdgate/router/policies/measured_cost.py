@@ -37,9 +37,9 @@ not flap (`pdgate_decider_switches_total{to}` counts changes).
 
 Probes: a mode the bucket does not hold is not measured, so its prediction would keep
 whatever it last learnt (a cold engine's first request, a queue long gone) and the bucket
-would never switch back. When a bucket's other mode has gone `probe_s` without a
-measurement, one request takes it (`probe`; the ITL guard still applies), and what it
-measures corrects the prediction.
+would never switch back. When a bucket's other mode has gone `probe_s` without a measurement
+(counted from the bucket's first request), one request takes it (`probe`; the ITL guard
+still applies), and what it measures corrects the prediction.
 
 What each request measures (its P leg, its time to first token) teaches the predictor, and
 the ratio measured / predicted is observed in `pdgate_decider_prediction_ratio{choice}`.
@@ -194,9 +194,9 @@ class MeasuredCostDecider:
         self._pending: dict[str, _Pending] = {}
         self._mean_n = 0.0  # mean prompt tokens of decided requests (EWMA)
         self._mean_n2 = 0.0  # mean of their square: _mean_n2 / _mean_n weighs by tokens
-        # (bucket, direct) -> when that mode was last measured, or last probed
+        # (bucket, direct) -> when that mode was last measured, or last probed (or, before
+        # either, when the bucket was first decided: an idle router does not probe)
         self._measured: dict[tuple[int, bool], float] = {}
-        self._start = clock()
         if metrics is not None:
             self._publish(metrics)
 
@@ -266,7 +266,7 @@ class MeasuredCostDecider:
         it is marked probed now."""
         every = self.params.probe_s
         now = self._clock()
-        if not every or now - self._measured.get((bucket, direct), self._start) < every:
+        if not every or now - self._measured.setdefault((bucket, direct), now) < every:
             return False
         self._measured[(bucket, direct)] = now
         return True

@@ -93,15 +93,19 @@ class CostModel:
         found = self._overhead.get(bucket_of(n))
         return found.value if found is not None and found.value is not None else 0.0
 
-    def _split(self, q: Queue, n: int) -> bool:
-        """Whether the queue runs at another bucket's rate than the request's prompt."""
-        return q.tokens > 0 and q.prompt_n > 0 and bucket_of(q.prompt_n) != bucket_of(n)
+    def _queue_s(self, q: Queue, n: int) -> float | None:
+        """The queue's predicted seconds at its own prompts' rate when that is another
+        bucket's than the request's prompt (None: one rate for both)."""
+        if q.tokens > 0 and q.prompt_n > 0 and bucket_of(q.prompt_n) != bucket_of(n):
+            return q.tokens / self.rate(q.key, q.prompt_n)
+        return None
 
     def prefill_s(self, q: Queue, n: int) -> float:
         """Predicted seconds for engine `q.key` to compute an `n`-token prompt behind
         `q.tokens` queued tokens."""
-        if self._split(q, n):
-            return q.tokens / self.rate(q.key, q.prompt_n) + n / self.rate(q.key, n)
+        queue_s = self._queue_s(q, n)
+        if queue_s is not None:
+            return queue_s + n / self.rate(q.key, n)
         return (n + q.tokens) / self.rate(q.key, n)
 
     def best(self, queues: Iterable[Queue], n: int) -> tuple[float, str | None]:
@@ -127,9 +131,9 @@ class CostModel:
         `q.key` (a P leg, or a direct request's time to first token)."""
         if seconds < _MIN_SECONDS or n <= 0:
             return
-        if self._split(q, n):
-            own = max(seconds - q.tokens / self.rate(q.key, q.prompt_n), 0.25 * seconds)
-            sample = n / own
+        queue_s = self._queue_s(q, n)
+        if queue_s is not None:
+            sample = n / max(seconds - queue_s, 0.25 * seconds)
         else:
             sample = (n + q.tokens) / seconds
         self._rates.setdefault((q.key, bucket_of(n)), _Ewma()).add(sample, self.alpha)

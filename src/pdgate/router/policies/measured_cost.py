@@ -258,7 +258,7 @@ class MeasuredCostDecider:
             direct, reason = not direct, "probe"
         if direct and self._stalls_decodes(decode, d_key, n):
             direct, reason = False, "decode_itl_guard"
-        self._watch(req, n, direct, queues, t_d if direct else t_pd, reason)
+        self._watch(req, n, direct, queues, m, t_d if direct else t_pd)
         return Decision(not direct, reason)
 
     def _probe_due(self, bucket: int, direct: bool) -> bool:
@@ -271,8 +271,7 @@ class MeasuredCostDecider:
         self._measured[(bucket, direct)] = now
         return True
 
-    def _predict_all(self, queues: dict[str, float], n: int) -> dict[str, float]:
-        m = self.queue_n
+    def _predict_all(self, queues: dict[str, float], n: int, m: int) -> dict[str, float]:
         return {k: self.model.prefill_s(Queue(k, q, m), n) for k, q in queues.items()}
 
     @property
@@ -334,13 +333,14 @@ class MeasuredCostDecider:
         return busy and n / self.model.rate(ep.key, n) > limit
 
     def _watch(self, req: ClientRequest, n: int, direct: bool, queues: dict[str, float],
-               predicted: float, reason: str) -> None:
+               queue_n: int, predicted: float) -> None:
         record = request_context.current()
         if record is None:
             return
         record.predicted_ttft_s = predicted
         pending = _Pending(self, req, n, direct, self._clock(), record.arrival, queues,
-                           self.queue_n, self._predict_all(queues, n), self.model.overhead(n))
+                           queue_n, self._predict_all(queues, n, queue_n),
+                           self.model.overhead(n))
         self._pending[req.request_id] = pending
         record.watcher = pending
 

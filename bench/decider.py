@@ -71,7 +71,7 @@ def start(decider: str, tmp: Path, device: str = "cpu", up_args: list[str] | Non
             "--num-blocks", "2048", "--log-dir", str(tmp / decider),
             f"--router-arg=--config={config}", "--router-arg=--tokenize-prompts=always",
             "--device", device, *(up_args or [])]
-    return launch(argv, base, decider, tmp / decider, 240.0)
+    return launch(argv, base, decider, tmp / decider, 240.0, engines=4)
 
 
 def scrape(url: str) -> dict[tuple[str, str], float]:
@@ -210,7 +210,8 @@ def main() -> int:
         figures = {d: run_one(d, args, Path(tmp)) for d in DECIDERS}
         if args.keep_logs:
             for d in DECIDERS:
-                shutil.copytree(Path(tmp) / d, Path(args.keep_logs) / d, dirs_exist_ok=True)
+                shutil.copytree(Path(tmp) / d, Path(args.keep_logs) / d, dirs_exist_ok=True,
+                                ignore=shutil.ignore_patterns("engine-api-key"))
     print(table(figures))
     if args.json:
         print(json.dumps({"decider": figures, "config": vars(args)}))

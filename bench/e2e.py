@@ -86,9 +86,12 @@ def start(mode: str, log_dir: Path, device: str, router_args: list[str],
 
 
 def launch(argv: list[str], port: int, what: str, log_dir: Path,
-           timeout: float) -> tuple[subprocess.Popen[bytes], str]:
-    """Start `pdgate up` (`argv`) and wait until its router on `port` is ready; the
-    process and the router URL (the process stopped, and an error, if it never is)."""
+           timeout: float, engines: int = 2) -> tuple[subprocess.Popen[bytes], str]:
+    """Start `pdgate up` (`argv`) and wait until its router on `port` is ready and sees
+    all its `engines` healthy; the process and the router URL (the process stopped, and an
+    error, if it never is). The router is ready with one pair: a run that starts then
+    spends its first seconds on part of the cluster (on a GPU host, a decider bench's whole
+    burst ran on one P and one D while the others' health checks came due)."""
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -97,9 +100,11 @@ def launch(argv: list[str], port: int, what: str, log_dir: Path,
         if proc.poll() is not None:
             raise RuntimeError(f"pdgate up ({what}) exited; logs in {log_dir}")
         try:
-            if httpx.get(url + "/ready", timeout=1).status_code == 200:
+            r = httpx.get(url + "/ready", timeout=1)
+            seen = r.json() if r.status_code == 200 else {}
+            if seen.get("prefill_healthy", 0) + seen.get("decode_healthy", 0) >= engines:
                 return proc, url
-        except httpx.HTTPError:
+        except (httpx.HTTPError, ValueError):
             pass
         time.sleep(0.3)
     stop(proc)

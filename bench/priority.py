@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -40,7 +41,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.e2e import _free_base, launch, one, prompt, stop  # noqa: E402
+from bench.e2e import _free_base, launch, prompt, stop  # noqa: E402
 
 ORDERS = ("fifo", "fair", "reserved")
 FLOOD_KEY = "sk-bench-flood-key"
@@ -70,9 +71,31 @@ def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-async def interactive(url: str, args: argparse.Namespace, offset: int) -> list[tuple[float,
-                                                                                    float]]:
-    """`args.interactive` requests one at a time: (TTFT, latency) seconds each."""
+async def one(client: httpx.AsyncClient, text: str,
+              max_tokens: int) -> tuple[float, float, float]:
+    """One streaming request: (TTFT, latency, the longest gap between two chunks) seconds."""
+    body = {"prompt": text, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    t0 = time.perf_counter()
+    ttft = gap = 0.0
+    last = t0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()!r}")
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                now = time.perf_counter()
+                if ttft:
+                    gap = max(gap, now - last)
+                else:
+                    ttft = now - t0
+                last = now
+    return ttft, time.perf_counter() - t0, gap
+
+
+async def interactive(url: str, args: argparse.Namespace,
+                      offset: int) -> list[tuple[float, float, float]]:
+    """`args.interactive` requests one at a time: (TTFT, latency, longest gap) seconds each."""
     async with httpx.AsyncClient(base_url=url, timeout=600,
                                  headers=_auth(INTERACTIVE_KEY)) as client:
         return [await one(client, prompt(offset + i, args.prompt_tokens), args.max_tokens)
@@ -80,7 +103,7 @@ async def interactive(url: str, args: argparse.Namespace, offset: int) -> list[t
 
 
 async def beside_flood(url: str, args: argparse.Namespace,
-                       offset: int) -> tuple[list[tuple[float, float]], float]:
+                       offset: int) -> tuple[list[tuple[float, float, float]], float]:
     """The interactive requests while the flood runs: theirs, and the flood's req/s."""
     stop_flood = asyncio.Event()
     done = 0
@@ -107,13 +130,17 @@ async def beside_flood(url: str, args: argparse.Namespace,
     return got, counted / wall
 
 
-def summary(results: list[tuple[float, float]]) -> dict[str, float]:
+def summary(results: list[tuple[float, float, float]]) -> dict[str, float]:
     ttfts = sorted(r[0] for r in results)
     lats = sorted(r[1] for r in results)
+    gaps = sorted(r[2] for r in results)
     p99 = min(len(results) - 1, round(0.99 * (len(results) - 1)))
     return {"ttft_p50_ms": 1000 * statistics.median(ttfts), "ttft_p99_ms": 1000 * ttfts[p99],
             "latency_p50_ms": 1000 * statistics.median(lats),
-            "latency_p99_ms": 1000 * lats[p99]}
+            "latency_p99_ms": 1000 * lats[p99],
+            # each request's longest wait between two tokens: a tail made of one stall
+            # shows here, one made of slower steps does not
+            "max_gap_p50_ms": 1000 * statistics.median(gaps), "max_gap_p99_ms": 1000 * gaps[p99]}
 
 
 def run_order(order: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -133,15 +160,15 @@ def run_order(order: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
 
 def table(figures: dict[str, Any]) -> str:
     rows = ["| order | interactive | TTFT p50 ms | TTFT p99 ms | latency p50 ms | "
-            "latency p99 ms | flood req/s |",
-            "|---|---|---:|---:|---:|---:|---:|"]
+            "latency p99 ms | longest gap p99 ms | flood req/s |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
     for order, f in figures.items():
         for phase in ("alone", "beside_flood"):
             s = f[phase]
             rps = f"{f['flood_req_per_s']:.1f}" if phase == "beside_flood" else "-"
             rows.append(f"| {order} | {phase.replace('_', ' ')} | {s['ttft_p50_ms']:.0f} | "
                         f"{s['ttft_p99_ms']:.0f} | {s['latency_p50_ms']:.0f} | "
-                        f"{s['latency_p99_ms']:.0f} | {rps} |")
+                        f"{s['latency_p99_ms']:.0f} | {s['max_gap_p99_ms']:.0f} | {rps} |")
     rows.append("")
     for order, f in figures.items():
         r = f["p99_ratio"]
@@ -176,12 +203,20 @@ def main() -> int:
                         "--up-arg=--prefill-engine-arg=--cpus=0")
     p.add_argument("--orders", nargs="+", choices=ORDERS, default=list(ORDERS))
     p.add_argument("--json", action="store_true", help="print the figures as JSON too")
+    p.add_argument("--keep-logs", default=None, metavar="DIR",
+                   help="copy each cluster's logs (JSON lines) into DIR")
     args = p.parse_args()
+    if args.keep_logs:
+        args.up_arg = [*args.up_arg, "--log-format=json"]
     figures: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="pdgate-bench-priority-") as tmp:
         for order in args.orders:
             figures[order] = run_order(order, args, Path(tmp))
             print(f"  {order:<5} done", file=sys.stderr, flush=True)
+            if args.keep_logs:
+                shutil.copytree(Path(tmp) / order, Path(args.keep_logs) / order,
+                                ignore=shutil.ignore_patterns("engine-api-key"),
+                                dirs_exist_ok=True)
     print(table(figures))
     if args.json:
         print(json.dumps(figures, indent=2))

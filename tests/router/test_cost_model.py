@@ -304,8 +304,10 @@ def test_requests_in_their_prefill_count_as_that_engines_queue() -> None:
 async def test_a_burst_counts_each_request_where_its_leg_was_given() -> None:
     """Requests decided back to back (a burst) see each other: one decided but not yet given
     to an engine counts as a share on each engine of its role, and once the runner chose its
-    engine (before any byte is back) it counts there in full."""
-    decider, pool, _, clock = make(MeasuredCostParams(prior_tps=1000.0, min_dwell_s=0.0))
+    engine (before any byte is back) it counts there in full (engines picked by the
+    policy: `pick_engines` off)."""
+    decider, pool, _, clock = make(MeasuredCostParams(prior_tps=1000.0, min_dwell_s=0.0,
+                                                      pick_engines=False))
     for ep in pool.endpoints("prefill"):  # a congested P pool: D alone is cheaper
         ep.load = EngineLoad(8.0, 2.0, 0.5, clock.t)
     records, reqs = [], []
@@ -335,6 +337,90 @@ async def test_a_burst_counts_each_request_where_its_leg_was_given() -> None:
     watcher.first_token(1.0)  # its prompt is computed: no longer queued
     q = decider.queues(pool.endpoints("prefill"), pool.endpoints("decode"))
     assert (q[ep.key], q[other]) == (500.0, 500.0)
+
+
+async def test_the_prompt_goes_to_the_engine_it_was_predicted_on() -> None:
+    """With `pick_engines` (the default) the decision picks the engine too: a direct prompt
+    goes to the D with the least queued work, even where the decode policy
+    (`least-inflight`: counts of requests) would pick the other; a burst spreads over the
+    pool as it is decided; a disaggregated prompt goes to the least loaded P."""
+    decider, pool, _, clock = make(MeasuredCostParams(prior_tps=1000.0, min_dwell_s=0.0))
+    for ep in pool.endpoints("prefill"):  # a congested P pool: D alone is cheaper
+        ep.load = EngineLoad(8.0, 2.0, 0.5, clock.t)
+    d0, d1 = pool.endpoints("decode")
+    d0.load = EngineLoad(0.0, 0.0, 0.1, clock.t)
+    d1.load = EngineLoad(2.0, 0.0, 0.1, clock.t)  # two queued prompts on D1 (another router)
+    d0.in_flight = 3  # three short streams of ours on D0: least-inflight would take D1
+    policy = build_policy("least-inflight")
+    got = []
+    for i in range(2):
+        record = RequestRecord("POST", "/v1/completions", arrival=clock.t)
+        token = request_context.open_record(record)
+        try:
+            assert decider.decide(request(1000, f"r{i}")).reason == "cost_direct"
+            got.append((await choose(pool, "decode", policy, PickContext(f"r{i}"))).key)
+        finally:
+            request_context.close_record(token)
+    # D1's two queued prompts (x the mean prompt, 1,000) outweigh D0's three decodes, and
+    # the first direct prompt counts on D0 as soon as it is decided (1,003 < 2,000 / 1.2).
+    assert got == [D0, D0]
+    # An excluded engine (a retry) is not forced: the policy picks among the rest.
+    record = RequestRecord("POST", "/v1/completions", arrival=clock.t)
+    token = request_context.open_record(record)
+    try:
+        decider.decide(request(1000, "r9"))
+        assert record.watcher is not None
+        tried = d0 if record.watcher.preferred("decode") == D0 else d1
+        ep = await choose(pool, "decode", policy, PickContext("r9"), exclude=[tried])
+        assert ep is not tried
+    finally:
+        request_context.close_record(token)
+    # P then D: the P leg goes to the P with less queued (P1 here), the D leg to the policy's.
+    for ep in pool.endpoints("prefill"):
+        ep.load = None
+    decider.modes = Modes(0.2, 0.0)  # back to P then D
+    p0, p1 = pool.endpoints("prefill")
+    p0.load = EngineLoad(1.0, 0.0, 0.1, clock.t)
+    record = RequestRecord("POST", "/v1/completions", arrival=clock.t)
+    token = request_context.open_record(record)
+    try:
+        assert decider.decide(request(1000, "r10")).disagg
+        assert record.watcher is not None and record.watcher.preferred("decode") is None
+        ep = await choose(pool, "prefill", build_policy("round-robin"), PickContext("r10"))
+        assert ep.key == P1
+    finally:
+        request_context.close_record(token)
+
+
+def test_engines_predicted_alike_share_the_work() -> None:
+    """Learnt rates are noisy averages: idle engines within the margin of each other take
+    prompts in turn; one clearly slower is left out."""
+    decider, pool, _, _ = make(MeasuredCostParams(prior_tps=1000.0, alpha=1.0))
+    decider.model.learn_prefill(Queue(P0, 0), 1000, 0.50)
+    decider.model.learn_prefill(Queue(P1, 0), 1000, 0.55)  # 10 % slower: an equal
+    picks = []
+    for i in range(4):
+        record = RequestRecord("POST", "/v1/completions", arrival=0.0)
+        token = request_context.open_record(record)
+        try:
+            decider.decide(request(1000, f"r{i}"))
+            assert record.watcher is not None
+            picks.append(record.watcher.preferred("prefill"))
+            record.watcher.prefill_done(0.5)  # done: the pool is idle again
+        finally:
+            request_context.close_record(token)
+    assert sorted(picks) == [P0, P0, P1, P1]
+    decider.model.learn_prefill(Queue(P1, 0), 1000, 1.0)  # now half as fast
+    record = RequestRecord("POST", "/v1/completions", arrival=0.0)
+    for i in range(4):
+        token = request_context.open_record(record)
+        try:
+            decider.decide(request(1000, f"s{i}"))
+            assert record.watcher is not None
+            assert record.watcher.preferred("prefill") == P0
+            record.watcher.prefill_done(0.5)
+        finally:
+            request_context.close_record(token)
 
 
 def test_decider_specs() -> None:

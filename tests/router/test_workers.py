@@ -166,10 +166,11 @@ async def test_sigterm_drains_every_worker_then_the_tree_exits_0(
             resp = await client.get(tree.url + "/ready", headers={"Connection": "close"})
             return resp.status_code
 
-        while await ready() != 503:
-            assert time.monotonic() - sent < 5.0, "/ready still 200"
-        await asyncio.sleep(0.5)  # the parent signals the workers one after the other
-        assert [await ready() for _ in range(20)] == [503] * 20
+        # The parent signals the workers one after the other, and a worker on a loaded
+        # machine may take a moment to run its handler: every one must within 5 s.
+        while (got := [await ready() for _ in range(20)]) != [503] * 20:
+            assert time.monotonic() - sent < 5.0, f"/ready still 200 on a worker: {got}"
+            await asyncio.sleep(0.1)
     replies = [await tree.post(BODY) for _ in range(6)]
     assert time.monotonic() - sent < DRAIN_S  # all sent while draining
     assert [r.status_code for r in replies] == [200] * 6

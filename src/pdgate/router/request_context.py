@@ -24,6 +24,10 @@ class RequestWatcher(Protocol):
     """Told what a request measured as it happens (the measured-cost decider learns from
     it: router/policies/measured_cost.py). Called on the event loop; must not block."""
 
+    def preferred(self, role: str) -> str | None:
+        """The engine key the `role` leg should go to when it is eligible (the one the
+        decider predicted its prompt on); None: the leg's policy picks."""
+
     def sent(self, role: str, key: str) -> None:
         """A `role` leg of the request was given to the engine `key` (chosen, about to be
         sent): that engine's queue holds it from now on."""

@@ -13,11 +13,19 @@ times to first token over the healthy engines, with each engine's queue:
 - on a D: the prompt tokens of direct requests still waiting for their first token there,
   its decode batch (one token each per step), and its queued requests.
 
-A request counts on the engine its leg was given to from the moment the runner chose it
-(router/policies/runner.py tells the request's watcher), not from its first byte back: a
-burst's requests are decided before any leg has answered. One decided but not yet given
-counts as an equal share on each engine of its role (its engine is chosen after the
-decision).
+The decision also picks the engine (`pick_engines`, on by default): the leg that computes
+the prompt (P's in "P then D", D's in "D alone") goes to the engine with the least predicted
+prefill time, engines within `margin` of it taken in turn (router/policies/runner.py takes
+it when it is eligible; the configured policy picks the other leg, and any leg when it is
+not). So the
+prediction is for the engine that serves the request, and prompts spread by the work queued
+on each engine, not by counts of requests (`least-inflight` sees a 4-token direct prompt of
+1,500 tokens and a 48-token stream of 64 as one request each).
+
+A request counts on its engine from the moment it is decided (picked) or its leg given to an
+engine (the runner tells the request's watcher), not from its first byte back: a burst's
+requests are decided before any leg has answered. Without `pick_engines`, one decided but
+not yet given counts as an equal share on each engine of its role.
 
 Reasons (the `reason` label of `pdgate_disagg_decisions_total`, and the access log's
 `decision` field):
@@ -57,6 +65,8 @@ the ratio measured / predicted is observed in `pdgate_decider_prediction_ratio{c
 | `stale_s`           | 5.0     | engine `/metrics` figures older than this are ignored  |
 | `target_queue_s`    | 1.0     | prefill pressure the P pool is sized for (seconds)     |
 | `target_kv_usage`   | 0.8     | decode pressure the D pool is sized for (KV fraction)  |
+| `pick_engines`      | true    | the prompt's leg goes to the engine predicted fastest  |
+|                     |         | (false: the configured policies pick every leg)        |
 
 **Capacity signal** (read at each scrape; `pressure()`): `pdgate_pd_pressure{role="prefill"}`
 is the prompt work queued on the healthy P engines over their measured throughput, in
@@ -105,6 +115,7 @@ class MeasuredCostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     stale_s: Annotated[float, Meta(gt=0.0)] = 5.0
     target_queue_s: Annotated[float, Meta(gt=0.0)] = 1.0
     target_kv_usage: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.8
+    pick_engines: bool = True
 
 
 @dataclass
@@ -143,9 +154,13 @@ class _Pending:
     queue_n: int  # the typical queued prompt's length then (cost_model.Queue.prompt_n)
     predicted: dict[str, float]  # endpoint key -> predicted prefill seconds there
     overhead: float  # predicted seconds of a disaggregated request beyond its P leg
+    prefer: dict[str, str]  # role -> the endpoint key predicted on (pick_engines)
     prefill_s: float | None = None
     first: bool = False
     sent_to: dict[str, str] = field(default_factory=dict)  # role -> endpoint key
+
+    def preferred(self, role: str) -> str | None:
+        return self.prefer.get(role)
 
     def sent(self, role: str, key: str) -> None:
         self.sent_to[role] = key
@@ -156,7 +171,8 @@ class _Pending:
         role = "decode" if self.direct else "prefill"
         if self.first if self.direct else self.prefill_s is not None:
             return None
-        return role, self.sent_to.get(role) or self.req.served_by.get(role)
+        return role, (self.sent_to.get(role) or self.req.served_by.get(role)
+                      or self.prefer.get(role))
 
     def prefill_done(self, seconds: float) -> None:
         if self.prefill_s is None:
@@ -192,6 +208,7 @@ class MeasuredCostDecider:
         self._clock = clock
         self._load_clock = load_clock
         self._pending: dict[str, _Pending] = {}
+        self._turn = 0  # rotates over engines predicted alike (`_engine`)
         self._mean_n = 0.0  # mean prompt tokens of decided requests (EWMA)
         self._mean_n2 = 0.0  # mean of their square: _mean_n2 / _mean_n weighs by tokens
         # (bucket, direct) -> when that mode was last measured, or last probed (or, before
@@ -249,8 +266,10 @@ class MeasuredCostDecider:
             return base  # the flow serves it on D alone when no P is up
         queues = self.queues(prefill, decode)
         m = self.queue_n
-        t_pd = self.model.ttft_disagg((Queue(ep.key, queues[ep.key], m) for ep in prefill), n)
-        t_d, d_key = self.model.best((Queue(ep.key, queues[ep.key], m) for ep in decode), n)
+        self._turn += 1
+        t_p, p_key = self._engine([Queue(ep.key, queues[ep.key], m) for ep in prefill], n)
+        t_pd = t_p + self.model.overhead(n)
+        t_d, d_key = self._engine([Queue(ep.key, queues[ep.key], m) for ep in decode], n)
         b = bucket_of(n)
         direct = self._mode(b, t_pd, t_d)
         reason = "cost_direct" if direct else "cost_disagg"
@@ -258,8 +277,24 @@ class MeasuredCostDecider:
             direct, reason = not direct, "probe"
         if direct and self._stalls_decodes(decode, d_key, n):
             direct, reason = False, "decode_itl_guard"
-        self._watch(req, n, direct, queues, m, t_d if direct else t_pd)
+        prefer = {"decode": d_key} if direct else {"prefill": p_key}
+        self._watch(req, n, direct, queues, m, t_d if direct else t_pd,
+                    {r: k for r, k in prefer.items() if k is not None and self.params.pick_engines})
         return Decision(not direct, reason)
+
+    def _engine(self, queues: list[Queue], n: int) -> tuple[float, str | None]:
+        """(predicted prefill seconds, key) of the engine a prompt of `n` tokens would go to:
+        the least predicted, or any within `margin` of it, taken in turn. A per-engine rate
+        is a noisy average, so an idle pool's engines never predict exactly alike, and the
+        least alone would send every prompt of a quiet pool to whichever measured fastest
+        last; within the margin they are equals and share the work (round robin)."""
+        if not queues:
+            return math.inf, None
+        times = [self.model.prefill_s(q, n) for q in queues]
+        bound = min(times) * (1 + self.params.margin)
+        near = [i for i, t in enumerate(times) if t <= bound]
+        i = near[self._turn % len(near)]
+        return times[i], queues[i].key
 
     def _probe_due(self, bucket: int, direct: bool) -> bool:
         """Whether bucket's mode `direct` went `probe_s` unmeasured (and unprobed): if so,
@@ -333,14 +368,14 @@ class MeasuredCostDecider:
         return busy and n / self.model.rate(ep.key, n) > limit
 
     def _watch(self, req: ClientRequest, n: int, direct: bool, queues: dict[str, float],
-               queue_n: int, predicted: float) -> None:
+               queue_n: int, predicted: float, prefer: dict[str, str]) -> None:
         record = request_context.current()
         if record is None:
             return
         record.predicted_ttft_s = predicted
         pending = _Pending(self, req, n, direct, self._clock(), record.arrival, queues,
                            queue_n, self._predict_all(queues, n, queue_n),
-                           self.model.overhead(n))
+                           self.model.overhead(n), prefer)
         self._pending[req.request_id] = pending
         record.watcher = pending
 
@@ -370,3 +405,4 @@ class MeasuredCostDecider:
             m = self.metrics
             m.child(m.decider_prediction_ratio, "direct" if p.direct else "disagg").observe(
                 seconds / predicted)
+

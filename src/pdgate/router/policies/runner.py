@@ -8,6 +8,11 @@ the rest to a `Selector` (one configured policy): the selector runs the policy's
 clamps and weighs their outputs, lets the policy pick, times the whole selection, and
 records the prompt's blocks on the chosen engine in the approximate prefix index (that
 engine will hold them once it has served the request) plus the prefix hit metrics.
+
+A request's watcher may name the engine a leg should take (`RequestWatcher.preferred`: the
+measured-cost decider's least predicted time to the first token); when that engine is among
+the eligible candidates it is taken instead of the policy's pick (and recorded the same
+way), so the decision and the engine it was predicted on are one choice.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from pdgate.router.errors import NoEndpointAvailable
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies.base import PickContext, Policy, PolicyEnv
 from pdgate.router.pool import Endpoint, EndpointPool, Role
+from pdgate.router.request_context import RequestWatcher
 from pdgate.router.tracing import span
 
 __all__ = ["Selector", "choose"]
@@ -54,11 +60,17 @@ class Selector:
         t0 = time.perf_counter()
         scores = self.scores(candidates, ctx)
         ep = await self.policy.pick(candidates, scores, ctx)
+        self.take(role, ep, ctx, t0)
+        return ep
+
+    def take(self, role: Role, ep: Endpoint, ctx: PickContext,
+             t0: float | None = None) -> None:
+        """Record `ep` as the leg's engine (prefix index, hit and duration metrics), picked
+        by the policy since `t0` or preferred by the request's watcher."""
         self._record(role, ep, ctx)
-        if self.metrics is not None:
+        if self.metrics is not None and t0 is not None:
             m = self.metrics
             m.child(m.policy_duration, role).observe(time.perf_counter() - t0)
-        return ep
 
     def scores(self, candidates: Sequence[Endpoint], ctx: PickContext) -> list[float]:
         """Sum over the policy's scorers of weight x score clamped to [0, 1]."""
@@ -119,14 +131,28 @@ async def choose(
     need = ctx.adapter
     if need is not None:  # a LoRA adapter: only engines holding it (or loading it)
         candidates = need.filter(role, candidates)
+    record = request_context.current()
+    watcher = None if record is None else record.watcher
     with span("choose_engine", **{"pdgate.role": role,
                                   "pdgate.candidates": len(candidates)}) as traced:
-        ep = await selector.select(role, candidates, ctx)
+        ep = _preferred(watcher, role, candidates)
+        if ep is None:
+            ep = await selector.select(role, candidates, ctx)
+        else:
+            selector.take(role, ep, ctx)
         if traced is not None:
             traced.set_attribute("pdgate.engine", ep.key)
     if need is not None:
         await need.ensure(ep)
-    record = request_context.current()
-    if record is not None and record.watcher is not None:
-        record.watcher.sent(role, ep.key)
+    if watcher is not None:
+        watcher.sent(role, ep.key)
     return ep
+
+
+def _preferred(watcher: RequestWatcher | None, role: Role,
+               candidates: Sequence[Endpoint]) -> Endpoint | None:
+    """The eligible candidate the request's watcher prefers for this leg, if any."""
+    key = None if watcher is None else watcher.preferred(role)
+    if key is None:
+        return None
+    return next((ep for ep in candidates if ep.key == key), None)

@@ -10,6 +10,10 @@ loop), for B requests decoding together.
 
     python bench/shim_step.py --model DIR --device cuda [--batches 1,2,4,8,16]
         [--prompt-tokens 480] [--tokens 64] [--json]
+
+`--new-shapes` also times prompts of lengths the engine has not run yet, against the same
+length again: an attention kernel that builds a plan per shape (cuDNN's) pays on every new
+prompt length and on every decode step whose context crosses a block boundary.
 """
 
 from __future__ import annotations
@@ -72,6 +76,27 @@ async def _step_ms(engine: Any, batch: int, prompt: int, tokens: int) -> float:
     return 1000 * statistics.median(gaps) if gaps else float("nan")
 
 
+def _new_shapes(engine: Any) -> list[dict[str, Any]]:
+    """ms of one prefill at a length not run before, then the same length again."""
+    import torch
+
+    rows = []
+    for n in (69, 70, 301, 777, 1501):
+        ids = torch.ones(n, dtype=torch.long)
+        blocks = list(range((n + engine.block_size - 1) // engine.block_size))
+        times = []
+        for _ in range(2):
+            if str(engine.kv.device).startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            engine.model.forward_paged(ids, 0, blocks, engine.kv, last_only=True)
+            if str(engine.kv.device).startswith("cuda"):
+                torch.cuda.synchronize()
+            times.append(1000 * (time.perf_counter() - t0))
+        rows.append({"prompt": n, "first_ms": round(times[0], 1), "again_ms": round(times[1], 1)})
+    return rows
+
+
 async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     from pdgate.engine_shim.engine import Engine, EngineConfig
     from pdgate.engine_shim.metrics import ShimMetrics
@@ -85,6 +110,8 @@ async def main_async(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     try:
         await _step_ms(engine, 1, args.prompt_tokens, 4)  # first use (kernels, handles)
+        if args.new_shapes:
+            rows.extend(_new_shapes(engine))
         for b in batches:
             fwd = _forward_ms(engine, b, args.prompt_tokens, args.reps)
             step = await _step_ms(engine, b, args.prompt_tokens, args.tokens)
@@ -103,12 +130,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens each request generates")
     ap.add_argument("--reps", type=int, default=20, help="forwards timed per batch size")
     ap.add_argument("--json", action="store_true", help="one JSON line per batch size")
+    ap.add_argument("--new-shapes", action="store_true",
+                    help="also time prompt lengths run for the first time, then again")
     args = ap.parse_args()
     rows = asyncio.run(main_async(args))
-    one = rows[0]
+    one = next(r for r in rows if "batch" in r)
     for r in rows:
         if args.json:
             print(json.dumps(r))
+        elif "prompt" in r:
+            print(f"prompt {r['prompt']:>5}: first {r['first_ms']:7.1f} ms, "
+                  f"again {r['again_ms']:7.1f} ms")
         else:
             print(f"B={r['batch']:>3}  forward {r['forward_ms']:7.2f} ms "
                   f"({r['forward_ms'] / one['forward_ms']:.2f}x B=1)  step {r['step_ms']:7.2f} ms "

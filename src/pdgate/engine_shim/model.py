@@ -14,12 +14,14 @@ tail of the last block.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pdgate.engine_shim.kv_cache import TORCH_DTYPES, PagedKVCache
 from pdgate.engine_shim.kv_layout import LAYOUT_NAME, KVLayout
@@ -27,6 +29,20 @@ from pdgate.engine_shim.model_config import ModelConfig
 from pdgate.engine_shim.weights import load_weights
 
 _DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
+
+# Attention kernels on CUDA: not cuDNN's. cuDNN builds an execution plan per new shape, and
+# every new prompt length, and every decode step whose longest context crosses a block
+# boundary, is a new shape: on an H200 (8 of Llama-3-8B's layers) a first use cost 55-550 ms
+# against 8-14 ms after, while the memory-efficient kernel took 8-14 ms from the first call
+# (docs/benchmarks.md, "The shim's decode step"). vLLM's attention does not build per shape
+# either (CUDA graphs, varlen kernels).
+_CUDA_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def _attention_kernels(device: torch.device) -> AbstractContextManager[None]:
+    if device.type == "cuda":
+        return sdpa_kernel(_CUDA_SDPA)
+    return nullcontext()  # CPU: torch's choice, as the token-exact tests were recorded
 
 
 class RMSNorm(nn.Module):
@@ -291,8 +307,9 @@ class LlamaModel(nn.Module):
         batch = _PagedBatch(slots=slots.reshape(-1), tables=tables, mask=mask)
         rope = _rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
         h = self.embed_tokens(ids)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, rope, batch, kv.key(i), kv.value(i))
+        with _attention_kernels(h.device):
+            for i, layer in enumerate(self.layers):
+                h = layer(h, rope, batch, kv.key(i), kv.value(i))
         h = self.norm(h[:, -1:] if last_only else h)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()

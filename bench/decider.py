@@ -24,6 +24,10 @@ and D pools have their own GPUs (the router and the load generator still share t
 
     python bench/decider.py --up-arg=--prefill-engine-arg=--cpus=0 \
         --up-arg=--decode-engine-arg=--cpus=1
+
+`--step-budget 2048` gives the engines vLLM's step budget (a step computes prompts first
+come first served while 2,048 tokens last): without it a shim step runs every waiting
+prompt, all finishing together, which no FIFO queue model predicts per request.
 """
 
 from __future__ import annotations
@@ -195,6 +199,9 @@ def main() -> int:
     p.add_argument("--up-arg", action="append", default=[],
                    help="extra `pdgate up` flag (repeatable), e.g. "
                         "--up-arg=--decode-engine-arg=--device=cuda:1")
+    p.add_argument("--step-budget", type=int, default=0, metavar="TOKENS",
+                   help="the engines' --max-num-batched-tokens (vLLM's step budget; "
+                        "0, the default: the shim's, none: a step runs every waiting prompt)")
     p.add_argument("--params", default="{}", metavar="JSON",
                    help="measured-cost params over the bench's "
                         f"{json.dumps(MEASURED_PARAMS)}, e.g. '{{\"min_dwell_s\": 0.2}}'")
@@ -205,6 +212,8 @@ def main() -> int:
     args = p.parse_args()
     if args.keep_logs:
         args.up_arg = [*args.up_arg, "--log-format=json"]
+    if args.step_budget:
+        args.up_arg = [*args.up_arg, f"--engine-arg=--max-num-batched-tokens={args.step_budget}"]
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     with tempfile.TemporaryDirectory(prefix="pdgate-bench-decider-") as tmp:
         figures = {d: run_one(d, args, Path(tmp)) for d in DECIDERS}

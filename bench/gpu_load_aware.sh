@@ -34,7 +34,7 @@ model=/tmp/l8
 if [ "$what" != priority ]; then
     python3 bench/decider.py --device "$pd4" --up-arg=--model=$model \
         --burst "${BURST:-160}" --mixed "${MIXED:-96}" --keep-logs "$out/logs" \
-        --up-arg=--engine-arg=--max-num-batched-tokens=2048 ${DECIDER_ARGS:-} --json 2>&1 \
+        --step-budget 2048 ${DECIDER_ARGS:-} --json 2>&1 \
         | tee "$out/decider.txt"
 fi
 if [ "$what" != decider ]; then

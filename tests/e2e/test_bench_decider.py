@@ -18,7 +18,7 @@ def test_decider_bench_compares_both_deciders() -> None:
     done = subprocess.run(
         [sys.executable, "bench/decider.py", "--burst", "8", "--mixed", "8",
          "--burst-concurrency", "4", "--mixed-concurrency", "2", "--long-tokens", "300",
-         "--json"],
+         "--step-budget", "512", "--json"],  # engines that take the budget (vLLM's flag)
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout

@@ -31,6 +31,7 @@ def test_decider_bench_compares_both_deciders() -> None:
             f = figures[decider][phase]
             assert f["ttft_p90_ms"] > 0 and f["latency_p90_ms"] >= f["ttft_p90_ms"]
             assert sum(f["decisions"].values()) == 8  # every request decided, counted
+            assert f["req_per_s"] == pytest.approx(8 / f["seconds"])
     # Only the measured-cost decider predicts; each of its requests is observed.
     assert figures["static"]["burst"]["prediction"]["observed"] == 0
     assert figures["measured-cost"]["burst"]["prediction"]["observed"] == 8

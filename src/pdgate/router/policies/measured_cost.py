@@ -15,12 +15,11 @@ times to first token over the healthy engines, with each engine's queue:
 
 The decision also picks the engine (`pick_engines`, on by default): the leg that computes
 the prompt (P's in "P then D", D's in "D alone") goes to the engine with the least predicted
-prefill time, engines within `margin` of it taken in turn (router/policies/runner.py takes
-it when it is eligible; the configured policy picks the other leg, and any leg when it is
-not). So the
-prediction is for the engine that serves the request, and prompts spread by the work queued
-on each engine, not by counts of requests (`least-inflight` sees a 4-token direct prompt of
-1,500 tokens and a 48-token stream of 64 as one request each).
+prefill time, engines within `margin` of it taken in turn. router/policies/runner.py takes
+it when it is eligible; the configured policy picks the other leg, and any leg whose engine
+is excluded. So the prediction is for the engine that serves the request, and prompts
+spread by the work queued on each engine, not by counts of requests (`least-inflight`
+counts a 1,500-token prompt and a 48-token stream as one request each).
 
 A request counts on its engine from the moment it is decided (picked) or its leg given to an
 engine (the runner tells the request's watcher), not from its first byte back: a burst's
@@ -277,9 +276,10 @@ class MeasuredCostDecider:
             direct, reason = not direct, "probe"
         if direct and self._stalls_decodes(decode, d_key, n):
             direct, reason = False, "decode_itl_guard"
-        prefer = {"decode": d_key} if direct else {"prefill": p_key}
-        self._watch(req, n, direct, queues, m, t_d if direct else t_pd,
-                    {r: k for r, k in prefer.items() if k is not None and self.params.pick_engines})
+        key = d_key if direct else p_key
+        prefer = {"decode" if direct else "prefill": key} \
+            if key is not None and self.params.pick_engines else {}
+        self._watch(req, n, direct, queues, m, t_d if direct else t_pd, prefer)
         return Decision(not direct, reason)
 
     def _engine(self, queues: list[Queue], n: int) -> tuple[float, str | None]:
@@ -405,4 +405,3 @@ class MeasuredCostDecider:
             m = self.metrics
             m.child(m.decider_prediction_ratio, "direct" if p.direct else "disagg").observe(
                 seconds / predicted)
-

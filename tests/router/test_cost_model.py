@@ -375,7 +375,7 @@ async def test_the_prompt_goes_to_the_engine_it_was_predicted_on() -> None:
         assert ep is not tried
     finally:
         request_context.close_record(token)
-    # P then D: the P leg goes to the P with less queued (P1 here), the D leg to the policy's.
+    # P then D: the P leg goes to the P with less queued (P1 here).
     for ep in pool.endpoints("prefill"):
         ep.load = None
     decider.modes = Modes(0.2, 0.0)  # back to P then D
@@ -385,9 +385,50 @@ async def test_the_prompt_goes_to_the_engine_it_was_predicted_on() -> None:
     token = request_context.open_record(record)
     try:
         assert decider.decide(request(1000, "r10")).disagg
-        assert record.watcher is not None and record.watcher.preferred("decode") is None
         ep = await choose(pool, "prefill", build_policy("round-robin"), PickContext("r10"))
         assert ep.key == P1
+    finally:
+        request_context.close_record(token)
+
+
+async def test_a_disaggregated_requests_decode_leg_avoids_a_d_about_to_prefill() -> None:
+    """P then D with `pick_engines`: the D leg, chosen when P is done, goes to the D with the
+    least prompt work queued, not to the one `least-inflight` would take (fewer streams,
+    but a long direct prompt about to be computed there, which would stall the new stream)."""
+    decider, pool, _, clock = make(MeasuredCostParams(prior_tps=1000.0, min_dwell_s=0.0,
+                                                      itl_stall_s=0.5))
+    d0, d1 = pool.endpoints("decode")
+    d1.in_flight = 2  # two streams of ours on D1 (D alone goes to D0: it would stall D1's)
+    policy = build_policy("least-inflight")
+    # A direct prompt of 1,000 tokens decided for D0 and not yet computed there.
+    decider.modes._mode[bucket_of(1000)] = (True, 0.0)
+    record = RequestRecord("POST", "/v1/completions", arrival=clock.t)
+    token = request_context.open_record(record)
+    try:
+        assert decider.decide(request(1000, "direct")).reason == "cost_direct"
+        assert record.watcher is not None and record.watcher.preferred("decode") == D0
+    finally:
+        request_context.close_record(token)
+    # A short prompt through P then D (its own bucket holds P then D).
+    record = RequestRecord("POST", "/v1/completions", arrival=clock.t)
+    token = request_context.open_record(record)
+    try:
+        assert decider.decide(request(100, "pd")).disagg
+        await choose(pool, "prefill", build_policy("round-robin"), PickContext("pd"))
+        ep = await choose(pool, "decode", policy, PickContext("pd"))
+        assert ep is d1  # least-inflight alone would take D0
+        assert record.watcher is not None
+        record.watcher.first_token(0.1)
+    finally:
+        request_context.close_record(token)
+    # Without pick_engines the policy picks the D leg.
+    decider.params = MeasuredCostParams(prior_tps=1000.0, pick_engines=False)
+    record = RequestRecord("POST", "/v1/completions", arrival=clock.t)
+    token = request_context.open_record(record)
+    try:
+        assert decider.decide(request(100, "pd2")).disagg
+        ep = await choose(pool, "decode", policy, PickContext("pd2"))
+        assert ep is d0
     finally:
         request_context.close_record(token)
 

@@ -34,7 +34,7 @@ Reasons (the `reason` label of `pdgate_disagg_decisions_total`, and the access l
 | `cost_disagg`      | yes    | P then D is predicted cheaper (or the bucket holds that mode) |
 | `cost_direct`      | no     | D alone is predicted cheaper (or the bucket holds that mode) |
 | `decode_itl_guard` | yes    | D alone would be cheaper, but its prefill would stall the   |
-|                    |        | D's running decodes longer than `itl_stall_s`               |
+|                    |        | running decodes longer than `itl_stall_s` on every D        |
 | `long_prompt`      | yes    | more prompt tokens than `max_direct_tokens`                 |
 | `probe`            | either | the mode the bucket does not hold, measured again (below)   |
 
@@ -159,7 +159,11 @@ class _Pending:
     sent_to: dict[str, str] = field(default_factory=dict)  # role -> endpoint key
 
     def preferred(self, role: str) -> str | None:
-        return self.prefer.get(role)
+        found = self.prefer.get(role)
+        if found is None and role == "decode" and not self.direct and self.prefer:
+            # P then D: its D leg is chosen when P is done (pull), so judged then
+            return self.owner._quietest_decoder()
+        return found
 
     def sent(self, role: str, key: str) -> None:
         self.sent_to[role] = key
@@ -268,13 +272,16 @@ class MeasuredCostDecider:
         self._turn += 1
         t_p, p_key = self._engine([Queue(ep.key, queues[ep.key], m) for ep in prefill], n)
         t_pd = t_p + self.model.overhead(n)
-        t_d, d_key = self._engine([Queue(ep.key, queues[ep.key], m) for ep in decode], n)
+        # D alone on a D where its prefill would not stall running streams, if there is one
+        calm = [ep for ep in decode if not self._stalls_decodes(ep, n)]
+        t_d, d_key = self._engine([Queue(ep.key, queues[ep.key], m) for ep in calm or decode],
+                                  n)
         b = bucket_of(n)
         direct = self._mode(b, t_pd, t_d)
         reason = "cost_direct" if direct else "cost_disagg"
         if self._probe_due(b, not direct):
             direct, reason = not direct, "probe"
-        if direct and self._stalls_decodes(decode, d_key, n):
+        if direct and not calm:
             direct, reason = False, "decode_itl_guard"
         key = d_key if direct else p_key
         prefer = {"decode" if direct else "prefill": key} \
@@ -295,6 +302,18 @@ class MeasuredCostDecider:
         near = [i for i, t in enumerate(times) if t <= bound]
         i = near[self._turn % len(near)]
         return times[i], queues[i].key
+
+    def _quietest_decoder(self) -> str | None:
+        """The D a disaggregated request's decode leg should take: the least prompt work
+        queued there (direct prompts not yet computed, then its decode batch), engines
+        within `margin` of it in turn. A D about to compute a long prompt would stall the
+        new stream's first steps behind it; the running batch alone is what
+        `least-inflight` counts."""
+        decode = self.pool.healthy("decode")
+        queues = self.queues((), decode)
+        m = max(1, self.queue_n)
+        self._turn += 1
+        return self._engine([Queue(ep.key, queues[ep.key], m) for ep in decode], 0)[1]
 
     def _probe_due(self, bucket: int, direct: bool) -> bool:
         """Whether bucket's mode `direct` went `probe_s` unmeasured (and unprobed): if so,
@@ -356,11 +375,10 @@ class MeasuredCostDecider:
             m.child(m.decider_switches, "direct" if switched else "disagg").inc()
         return self.modes.mode(bucket)
 
-    def _stalls_decodes(self, decode: Sequence[Endpoint], key: str | None, n: int) -> bool:
-        """Whether D alone's prefill would stall the best D's running decodes too long."""
+    def _stalls_decodes(self, ep: Endpoint, n: int) -> bool:
+        """Whether D alone's prefill on `ep` would stall its running decodes too long."""
         limit = self.params.itl_stall_s
-        ep = next((e for e in decode if e.key == key), None)
-        if not limit or ep is None:
+        if not limit:
             return False
         # Another router's decodes count as the engine last reported them; this router's
         # as they are now (a request of ours that just ended is no stall).

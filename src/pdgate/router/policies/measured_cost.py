@@ -15,9 +15,11 @@ times to first token over the healthy engines, with each engine's queue:
 
 The decision also picks the engine (`pick_engines`, on by default): the leg that computes
 the prompt (P's in "P then D", D's in "D alone") goes to the engine with the least predicted
-prefill time, engines within `margin` of it taken in turn. router/policies/runner.py takes
-it when it is eligible; the configured policy picks the other leg, and any leg whose engine
-is excluded. So the prediction is for the engine that serves the request, and prompts
+prefill time, engines within `margin` of it taken in turn; a P-then-D request's D leg, when
+it is chosen, goes to the D with the least prompt work queued (a D about to compute a direct
+prompt would stall the new stream). router/policies/runner.py takes the preferred engine
+when it is eligible; the configured policy picks any leg whose engine is excluded (a
+retry). So the prediction is for the engine that serves the request, and prompts
 spread by the work queued on each engine, not by counts of requests (`least-inflight`
 counts a 1,500-token prompt and a 48-token stream as one request each).
 

@@ -116,7 +116,7 @@ def prediction(ratio_buckets: dict[str, float]) -> dict[str, float | None]:
 async def phase(url: str, jobs: list[tuple[str, int]], concurrency: int) -> dict[str, float]:
     """Run `jobs` (prompt, max tokens) `concurrency` at a time; client-side p90s."""
     queue = list(jobs)
-    results: list[tuple[float, float]] = []
+    results: list[tuple[float, float, float]] = []
     limits = httpx.Limits(max_connections=concurrency * 2)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         async def worker() -> None:

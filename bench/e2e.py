@@ -127,18 +127,26 @@ def prompt(i: int, tokens: int) -> str:
     return f"{i} " + " ".join(words)
 
 
-async def one(client: httpx.AsyncClient, text: str, max_tokens: int) -> tuple[float, float]:
+async def one(client: httpx.AsyncClient, text: str,
+              max_tokens: int) -> tuple[float, float, float]:
+    """One streaming request: (TTFT, latency, the longest gap between two chunks) seconds."""
     body = {"prompt": text, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}
     t0 = time.perf_counter()
-    ttft = 0.0
+    ttft = gap = 0.0
+    last = t0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()!r}")
         async for line in r.aiter_lines():
-            if not ttft and line.startswith("data: {"):
-                ttft = time.perf_counter() - t0
-    return ttft, time.perf_counter() - t0
+            if line.startswith("data: {"):
+                now = time.perf_counter()
+                if ttft:
+                    gap = max(gap, now - last)
+                else:
+                    ttft = now - t0
+                last = now
+    return ttft, time.perf_counter() - t0, gap
 
 
 async def load(url: str, args: argparse.Namespace, offset: int,
@@ -154,7 +162,7 @@ async def load(url: str, args: argparse.Namespace, offset: int,
         for i in range(args.warmup):
             await one(client, prompt(offset - i - 1, tokens), args.max_tokens)
         queue = list(range(offset, offset + args.requests))
-        results: list[tuple[float, float]] = []
+        results: list[tuple[float, float, float]] = []
 
         async def worker() -> None:
             while queue:

@@ -41,7 +41,7 @@ from typing import Any
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.e2e import _free_base, launch, prompt, stop  # noqa: E402
+from bench.e2e import _free_base, launch, one, prompt, stop  # noqa: E402
 
 ORDERS = ("fifo", "fair", "reserved")
 FLOOD_KEY = "sk-bench-flood-key"
@@ -69,28 +69,6 @@ def start(order: str, args: argparse.Namespace, tmp: Path) -> tuple[subprocess.P
 
 def _auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
-
-
-async def one(client: httpx.AsyncClient, text: str,
-              max_tokens: int) -> tuple[float, float, float]:
-    """One streaming request: (TTFT, latency, the longest gap between two chunks) seconds."""
-    body = {"prompt": text, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
-    t0 = time.perf_counter()
-    ttft = gap = 0.0
-    last = t0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {await r.aread()!r}")
-        async for line in r.aiter_lines():
-            if line.startswith("data: {"):
-                now = time.perf_counter()
-                if ttft:
-                    gap = max(gap, now - last)
-                else:
-                    ttft = now - t0
-                last = now
-    return ttft, time.perf_counter() - t0, gap
 
 
 async def interactive(url: str, args: argparse.Namespace,

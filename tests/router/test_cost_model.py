@@ -3,8 +3,6 @@ hysteresis, the guard and the bounds, and learning from what a request measured.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -45,10 +43,9 @@ def test_rates_learn_from_recorded_prefills_and_borrow_until_measured() -> None:
     m.learn_prefill(Queue(D0, 0), 1000, 1.0)
     assert m.rate(D0, 1000) == 1000.0
     assert m.rate(P1, 1000) == 2000.0  # mean of P0's and D0's
-    # Predictions: queue + prompt over the rate; the best engine wins.
+    # Predictions: queue + prompt over the rate.
     assert m.prefill_s(Queue(P0, 2000), 1000) == pytest.approx(1.0)
-    assert m.best([Queue(P0, 5000), Queue(D0, 0)], 1000) == (pytest.approx(1.0), D0)
-    assert m.best([], 1000) == (math.inf, None)
+    assert m.prefill_s(Queue(D0, 0), 1000) == pytest.approx(1.0)
     # Noise is not learnt.
     m.learn_prefill(Queue(P0, 0), 1000, 0.0)
     assert m.rate(P0, 1000) == 3000.0
@@ -79,7 +76,8 @@ def test_overhead_is_learnt_per_bucket() -> None:
     assert m.overhead(1000) == 0.0
     m.learn_overhead(1000, 0.05)
     assert m.overhead(1000) == 0.05 and m.overhead(100) == 0.0
-    assert m.ttft_disagg([Queue(P0, 0)], 1000) == pytest.approx(1000 / 2000 + 0.05)
+    assert m.prefill_s(Queue(P0, 0), 1000) + m.overhead(1000) == pytest.approx(
+        1000 / 2000 + 0.05)
 
 
 # Recorded predictions (time s, P then D s, D alone s) -> the bucket's mode after each.

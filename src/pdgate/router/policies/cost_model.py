@@ -5,8 +5,11 @@ signals (tests/router/test_cost_model.py). The model, per engine `e` and prompt 
 
     prefill time on e  = (n + queued_e) / rate_e(bucket(n))          queued prompts as long
                        = queued_e / rate_e(bucket(m)) + n / rate_e(bucket(n))   otherwise
-    TTFT of P then D   = min over P of  prefill time on P          + overhead(bucket(n))
-    TTFT of D alone    = min over D of  prefill time on D (queued_D includes its decode batch)
+    TTFT of P then D   = prefill time on the chosen P              + overhead(bucket(n))
+    TTFT of D alone    = prefill time on the chosen D (queued_D includes its decode batch)
+
+The decider (router/policies/measured_cost.py) chooses the engine: the least predicted, or
+one within its margin, in turn.
 
 `queued_e` is the prompt work ahead of the request on `e` in tokens (`Queue`: the prompts
 the router sent there and that have not produced their first token, plus what the engine's
@@ -30,7 +33,6 @@ a quarter of it: a queue can drain faster than predicted).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 __all__ = ["CostModel", "Queue", "bucket_of"]
@@ -107,24 +109,6 @@ class CostModel:
         if queue_s is not None:
             return queue_s + n / self.rate(q.key, n)
         return (n + q.tokens) / self.rate(q.key, n)
-
-    def best(self, queues: Iterable[Queue], n: int) -> tuple[float, str | None]:
-        """(the least predicted prefill seconds among `queues`, that engine's key);
-        (inf, None) without engines."""
-        found: tuple[float, str | None] = (math.inf, None)
-        for q in queues:
-            s = self.prefill_s(q, n)
-            if s < found[0]:
-                found = (s, q.key)
-        return found
-
-    def ttft_disagg(self, prefill: Iterable[Queue], n: int) -> float:
-        """Predicted TTFT through the best P, then D."""
-        return self.best(prefill, n)[0] + self.overhead(n)
-
-    def ttft_direct(self, decode: Iterable[Queue], n: int) -> float:
-        """Predicted TTFT on the best D alone."""
-        return self.best(decode, n)[0]
 
     def learn_prefill(self, q: Queue, n: int, seconds: float) -> None:
         """One measured prefill: `n` prompt tokens behind `q.tokens` took `seconds` on

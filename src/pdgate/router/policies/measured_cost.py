@@ -272,12 +272,11 @@ class MeasuredCostDecider:
         queues = self.queues(prefill, decode)
         m = self.queue_n
         self._turn += 1
-        t_p, p_key = self._engine([Queue(ep.key, queues[ep.key], m) for ep in prefill], n)
+        t_p, p_key = self._engine(prefill, queues, n)
         t_pd = t_p + self.model.overhead(n)
         # D alone on a D where its prefill would not stall running streams, if there is one
         calm = [ep for ep in decode if not self._stalls_decodes(ep, n)]
-        t_d, d_key = self._engine([Queue(ep.key, queues[ep.key], m) for ep in calm or decode],
-                                  n)
+        t_d, d_key = self._engine(calm or decode, queues, n)
         b = bucket_of(n)
         direct = self._mode(b, t_pd, t_d)
         reason = "cost_direct" if direct else "cost_disagg"
@@ -291,19 +290,22 @@ class MeasuredCostDecider:
         self._watch(req, n, direct, queues, m, t_d if direct else t_pd, prefer)
         return Decision(not direct, reason)
 
-    def _engine(self, queues: list[Queue], n: int) -> tuple[float, str | None]:
-        """(predicted prefill seconds, key) of the engine a prompt of `n` tokens would go to:
-        the least predicted, or any within `margin` of it, taken in turn. A per-engine rate
-        is a noisy average, so an idle pool's engines never predict exactly alike, and the
-        least alone would send every prompt of a quiet pool to whichever measured fastest
-        last; within the margin they are equals and share the work (round robin)."""
-        if not queues:
+    def _engine(self, engines: Sequence[Endpoint], queues: dict[str, float],
+                n: int) -> tuple[float, str | None]:
+        """(predicted prefill seconds, key) of the one of `engines` a prompt of `n` tokens
+        would go to, behind `queues`: the least predicted, or any within `margin` of it,
+        taken in turn. A per-engine rate is a noisy average, so an idle pool's engines never
+        predict exactly alike, and the least alone would send every prompt of a quiet pool
+        to whichever measured fastest last; within the margin they are equals and share the
+        work (round robin)."""
+        if not engines:
             return math.inf, None
-        times = [self.model.prefill_s(q, n) for q in queues]
+        m = self.queue_n
+        times = [self.model.prefill_s(Queue(ep.key, queues[ep.key], m), n) for ep in engines]
         bound = min(times) * (1 + self.params.margin)
         near = [i for i, t in enumerate(times) if t <= bound]
         i = near[self._turn % len(near)]
-        return times[i], queues[i].key
+        return times[i], engines[i].key
 
     def _quietest_decoder(self) -> str | None:
         """The D a disaggregated request's decode leg should take: the least prompt work
@@ -312,10 +314,8 @@ class MeasuredCostDecider:
         new stream's first steps behind it; the running batch alone is what
         `least-inflight` counts."""
         decode = self.pool.healthy("decode")
-        queues = self.queues((), decode)
-        m = max(1, self.queue_n)
         self._turn += 1
-        return self._engine([Queue(ep.key, queues[ep.key], m) for ep in decode], 0)[1]
+        return self._engine(decode, self.queues((), decode), 0)[1]
 
     def _probe_due(self, bucket: int, direct: bool) -> bool:
         """Whether bucket's mode `direct` went `probe_s` unmeasured (and unprobed): if so,

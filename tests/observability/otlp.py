@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -51,11 +52,16 @@ class Receiver:
 
     spans: list[Span]
 
-    def of_trace(self, trace_id: str, want: int, timeout: float = 15.0) -> list[Span]:
+    def of_trace(self, trace_id: str, done: Callable[[list[Span]], bool],
+                 timeout: float = 15.0) -> list[Span]:
+        """The trace's spans once `done` holds for them (or at the timeout, for the test's
+        assertions to say what is missing). A count of spans is no such test: three
+        processes export in batches of their own, so one process's spans can make up the
+        count while another's are still on their way."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             found = [s for s in self.spans if s.trace_id == trace_id]
-            if len(found) >= want:
+            if done(found):
                 return found
             time.sleep(0.1)
         return [s for s in self.spans if s.trace_id == trace_id]

@@ -12,7 +12,8 @@ The decider (router/policies/measured_cost.py) chooses the engine: the least pre
 one within its margin, in turn.
 
 `queued_e` is the prompt work ahead of the request on `e` in tokens (`Queue`: the prompts
-the router sent there and that have not produced their first token, plus what the engine's
+the router sent there and that have not produced their first token, less what the engine
+has computed of the earliest of them, plus what the engine's
 own `/metrics` shows beyond that), and `m` the typical length of those queued prompts (the
 decider's token-weighted mean prompt length). `rate_e` is a prefill rate in tokens/s learned
 per engine and per prompt-length bucket (powers of two from 128 tokens) from the router's

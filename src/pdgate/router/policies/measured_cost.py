@@ -8,10 +8,12 @@ disaggregate. Otherwise the predictor (router/policies/cost_model.py) compares t
 times to first token over the healthy engines, with each engine's queue:
 
 - on a P: the prompt tokens of requests this router sent there that are still in their P
-  leg, plus what the engine's `/metrics` shows beyond them (other routers' requests, times
-  the mean prompt length);
-- on a D: the prompt tokens of direct requests still waiting for their first token there,
-  its decode batch (one token each per step), and its queued requests.
+  leg, less what the engine has computed of the earliest of them (its rate times the time
+  since it was sent, at most 90 % of it), plus what the engine's `/metrics` shows beyond
+  them (other routers' requests, times the mean prompt length);
+- on a D: the prompt tokens of direct requests still waiting for their first token there
+  (the earliest's computed part taken off, as on a P), its decode batch (one token each
+  per step), and its queued requests.
 
 The decision also picks the engine (`pick_engines`, on by default): the leg that computes
 the prompt (P's in "P then D", D's in "D alone") goes to the engine with the least predicted
@@ -159,6 +161,7 @@ class _Pending:
     prefill_s: float | None = None
     first: bool = False
     sent_to: dict[str, str] = field(default_factory=dict)  # role -> endpoint key
+    sent_at: float | None = None  # when the leg computing its prompt was given an engine
 
     def preferred(self, role: str) -> str | None:
         found = self.prefer.get(role)
@@ -169,6 +172,8 @@ class _Pending:
 
     def sent(self, role: str, key: str) -> None:
         self.sent_to[role] = key
+        if role == ("decode" if self.direct else "prefill"):
+            self.sent_at = self.owner._clock()
 
     def waiting_on(self) -> tuple[str, str | None] | None:
         """(role, endpoint key or None while not yet sent) of the engine that still has
@@ -214,6 +219,7 @@ class MeasuredCostDecider:
         self._load_clock = load_clock
         self._pending: dict[str, _Pending] = {}
         self._turn = 0  # rotates over engines predicted alike (`_engine`)
+        self._done_at: dict[str, float] = {}  # endpoint key -> when a prompt last finished
         self._mean_n = 0.0  # mean prompt tokens of decided requests (EWMA)
         self._mean_n2 = 0.0  # mean of their square: _mean_n2 / _mean_n weighs by tokens
         # (bucket, direct) -> when that mode was last measured, or last probed (or, before
@@ -342,6 +348,7 @@ class MeasuredCostDecider:
         # Decided but not yet given to an engine (the leg's engine is chosen after the
         # decision): it will land on one of the role's engines, so each holds a share.
         unsent = {"prefill": 0.0, "decode": 0.0}
+        heads: dict[str, _Pending] = {}  # the earliest given prompt per engine
         for p in self._pending.values():
             at = p.waiting_on()
             if at is None:
@@ -349,8 +356,13 @@ class MeasuredCostDecider:
             role, key = at
             if key is None:
                 unsent[role] += p.n
-            else:
-                mine[key] = mine.get(key, 0.0) + p.n
+                continue
+            mine[key] = mine.get(key, 0.0) + p.n
+            head = heads.get(key)
+            if p.sent_at is not None and (head is None or p.sent_at < (head.sent_at or 0.0)):
+                heads[key] = p
+        for key, head in heads.items():
+            mine[key] -= self._computed(key, head)
         now = self._load_clock()
         out: dict[str, float] = {}
         share = unsent["prefill"] / len(prefill) if prefill else 0.0
@@ -365,6 +377,18 @@ class MeasuredCostDecider:
             waiting = 0.0 if load is None else load.waiting * self._mean_n
             out[ep.key] = mine.get(ep.key, 0.0) + batch + waiting + share
         return out
+
+    def _computed(self, key: str, head: _Pending) -> float:
+        """Prompt tokens of `head`, the earliest prompt given to engine `key` and not yet
+        computed, that the engine has computed by now: its rate times the time since it was
+        given or since the engine's previous prompt finished, whichever is later, at most
+        90 % of it (it has not answered). An engine works through its prompts first come
+        first served, so the earliest is the one in progress; counted whole, a long prompt
+        nearly done made the queue behind it look a prompt longer."""
+        assert head.sent_at is not None
+        began = max(head.sent_at, self._done_at.get(key, -math.inf))
+        elapsed = max(0.0, self._clock() - began)
+        return min(0.9 * head.n, elapsed * self.model.rate(key, head.n))
 
     def _fresh(self, ep: Endpoint, now: float) -> EngineLoad | None:
         load = ep.load
@@ -404,7 +428,7 @@ class MeasuredCostDecider:
         if key is not None and not p.direct:
             self.model.learn_prefill(Queue(key, p.queues.get(key, 0.0), p.queue_n), p.n,
                                      seconds)
-            self._measured[(bucket_of(p.n), False)] = self._clock()
+            self._measured[(bucket_of(p.n), False)] = self._done_at[key] = self._clock()
 
     def _learn_first(self, p: _Pending, seconds: float) -> None:
         role = "decode" if p.direct else "prefill"
@@ -415,7 +439,7 @@ class MeasuredCostDecider:
         predicted = p.predicted.get(key, 0.0)
         if p.direct:
             self.model.learn_prefill(q, p.n, seconds)
-            self._measured[(bucket_of(p.n), True)] = self._clock()
+            self._measured[(bucket_of(p.n), True)] = self._done_at[key] = self._clock()
         elif p.prefill_s is not None:
             predicted += p.overhead
             self.model.learn_overhead(p.n, seconds - p.prefill_s)

@@ -19,8 +19,8 @@ from tests.observability.conftest import CLIENT_ID, Served
 pytestmark = pytest.mark.slow
 
 ACCESS_FIELDS = {"method", "path", "status", "duration_s", "request_id", "client_request_id",
-                 "model", "mode", "fallback", "ttft_s", "prompt_tokens", "completion_tokens",
-                 "prefill_engine", "decode_engine"}
+                 "model", "mode", "fallback", "ttft_s", "prefill_s", "prompt_tokens",
+                 "completion_tokens", "prefill_engine", "decode_engine"}
 
 
 def lines(cluster: Cluster, name: str) -> list[dict[str, Any]]:
@@ -66,6 +66,8 @@ def test_one_access_line_per_request_with_its_ids_and_engines(served: Served) ->
         assert (line["model"], line["completion_tokens"]) == ("tiny", 5)
         assert line["prompt_tokens"] > 0 and line["fallback"] is None
         assert 0 < line["duration_s"] < 120
+        # The P leg's round trip, within the request's.
+        assert 0 < line["prefill_s"] <= line["duration_s"], line
     assert missing["request_id"] and missing["prefill_engine"] is None
     # A refused request's line says why, with the code of the error body the client got.
     assert missing["error_code"] == "model_not_found"

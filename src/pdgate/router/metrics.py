@@ -205,7 +205,11 @@ class RouterMetrics:
         for whoever watches the request (router/request_context.py)."""
         self.child(self.prefill_duration).observe(seconds)
         record = request_context.current()
-        if record is not None and record.watcher is not None:
+        if record is None:
+            return
+        if record.prefill_s is None:  # a migration's later P leg is not the request's TTFT
+            record.prefill_s = seconds
+        if record.watcher is not None:
             record.watcher.prefill_done(seconds)
 
     def observe_usage(self, model: str, usage: object) -> None:

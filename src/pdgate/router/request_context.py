@@ -56,6 +56,7 @@ class RequestRecord:
     mode: str | None = None
     fallback: str | None = None
     ttft_s: float | None = None
+    prefill_s: float | None = None  # its P leg's round trip
     admission_wait_s: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None

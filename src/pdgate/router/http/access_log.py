@@ -8,6 +8,7 @@ returned, i.e. after the last byte of a stream (and tells the request's watcher 
 router/request_context.py). Fields: method, path,
 status, duration_s, request_id, client_request_id, model, mode, fallback, decision (the
 decider's reason), predicted_ttft_s (the measured-cost decider's prediction), ttft_s,
+prefill_s (the P leg's round trip: what of the TTFT was P's; null without one),
 admission_wait_s, prompt_tokens, completion_tokens, prefill_engine, decode_engine (null
 when unknown), migrations (continuations of a stream whose decode engine failed
 mid-response; null when none was tried), and for a refused request (status >= 400)
@@ -127,6 +128,7 @@ def _fields(record: RequestRecord, status: int, pd_mode: str) -> dict[str, Any]:
         "predicted_ttft_s": None if record.predicted_ttft_s is None
         else round(record.predicted_ttft_s, 6),
         "ttft_s": None if record.ttft_s is None else round(record.ttft_s, 6),
+        "prefill_s": None if record.prefill_s is None else round(record.prefill_s, 6),
         "admission_wait_s": None if record.admission_wait_s is None
         else round(record.admission_wait_s, 6),
         "priority": record.priority,

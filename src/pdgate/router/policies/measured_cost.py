@@ -9,8 +9,9 @@ times to first token over the healthy engines, with each engine's queue:
 
 - on a P: the prompt tokens of requests this router sent there that are still in their P
   leg, less what the engine has computed of the earliest of them (its rate times the time
-  since it was sent, at most 90 % of it), plus what the engine's `/metrics` shows beyond
-  them (other routers' requests, times the mean prompt length);
+  since it was sent or since the engine's previous prompt finished, at most 90 % of it),
+  plus what the engine's `/metrics` shows beyond them (other routers' requests, times the
+  mean prompt length);
 - on a D: the prompt tokens of direct requests still waiting for their first token there
   (the earliest's computed part taken off, as on a P), its decode batch (one token each
   per step), and its queued requests.
@@ -348,7 +349,7 @@ class MeasuredCostDecider:
         # Decided but not yet given to an engine (the leg's engine is chosen after the
         # decision): it will land on one of the role's engines, so each holds a share.
         unsent = {"prefill": 0.0, "decode": 0.0}
-        heads: dict[str, _Pending] = {}  # the earliest given prompt per engine
+        heads: dict[str, tuple[float, _Pending]] = {}  # the earliest given prompt per engine
         for p in self._pending.values():
             at = p.waiting_on()
             if at is None:
@@ -358,11 +359,10 @@ class MeasuredCostDecider:
                 unsent[role] += p.n
                 continue
             mine[key] = mine.get(key, 0.0) + p.n
-            head = heads.get(key)
-            if p.sent_at is not None and (head is None or p.sent_at < (head.sent_at or 0.0)):
-                heads[key] = p
-        for key, head in heads.items():
-            mine[key] -= self._computed(key, head)
+            if p.sent_at is not None and p.sent_at < heads.get(key, (math.inf, p))[0]:
+                heads[key] = (p.sent_at, p)
+        for key, (sent_at, head) in heads.items():
+            mine[key] -= self._computed(key, sent_at, head.n)
         now = self._load_clock()
         out: dict[str, float] = {}
         share = unsent["prefill"] / len(prefill) if prefill else 0.0
@@ -378,17 +378,16 @@ class MeasuredCostDecider:
             out[ep.key] = mine.get(ep.key, 0.0) + batch + waiting + share
         return out
 
-    def _computed(self, key: str, head: _Pending) -> float:
-        """Prompt tokens of `head`, the earliest prompt given to engine `key` and not yet
-        computed, that the engine has computed by now: its rate times the time since it was
-        given or since the engine's previous prompt finished, whichever is later, at most
-        90 % of it (it has not answered). An engine works through its prompts first come
-        first served, so the earliest is the one in progress; counted whole, a long prompt
-        nearly done made the queue behind it look a prompt longer."""
-        assert head.sent_at is not None
-        began = max(head.sent_at, self._done_at.get(key, -math.inf))
+    def _computed(self, key: str, sent_at: float, n: int) -> float:
+        """Tokens the engine `key` has computed by now of the earliest `n`-token prompt
+        given to it (at `sent_at`) and not yet computed: its rate times the time since it
+        was given or since the engine's previous prompt finished, whichever is later, at
+        most 90 % of it (it has not answered). An engine works through its prompts first
+        come first served, so the earliest is the one in progress; counted whole, a long
+        prompt nearly done made the queue behind it look a prompt longer."""
+        began = max(sent_at, self._done_at.get(key, -math.inf))
         elapsed = max(0.0, self._clock() - began)
-        return min(0.9 * head.n, elapsed * self.model.rate(key, head.n))
+        return min(0.9 * n, elapsed * self.model.rate(key, n))
 
     def _fresh(self, ep: Endpoint, now: float) -> EngineLoad | None:
         load = ep.load

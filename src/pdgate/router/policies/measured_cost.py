@@ -164,6 +164,11 @@ class _Pending:
     sent_to: dict[str, str] = field(default_factory=dict)  # role -> endpoint key
     sent_at: float | None = None  # when the leg computing its prompt was given an engine
 
+    @property
+    def prompt_role(self) -> str:
+        """The role of the leg that computes its prompt: D's alone, else P's."""
+        return "decode" if self.direct else "prefill"
+
     def preferred(self, role: str) -> str | None:
         found = self.prefer.get(role)
         if found is None and role == "decode" and not self.direct and self.prefer:
@@ -173,13 +178,13 @@ class _Pending:
 
     def sent(self, role: str, key: str) -> None:
         self.sent_to[role] = key
-        if role == ("decode" if self.direct else "prefill"):
+        if role == self.prompt_role:
             self.sent_at = self.owner._clock()
 
     def waiting_on(self) -> tuple[str, str | None] | None:
         """(role, endpoint key or None while not yet sent) of the engine that still has
         this request's prompt to compute; None once that prefill is done."""
-        role = "decode" if self.direct else "prefill"
+        role = self.prompt_role
         if self.first if self.direct else self.prefill_s is not None:
             return None
         return role, (self.sent_to.get(role) or self.req.served_by.get(role)
@@ -430,8 +435,7 @@ class MeasuredCostDecider:
             self._measured[(bucket_of(p.n), False)] = self._done_at[key] = self._clock()
 
     def _learn_first(self, p: _Pending, seconds: float) -> None:
-        role = "decode" if p.direct else "prefill"
-        key = p.req.served_by.get(role)
+        key = p.req.served_by.get(p.prompt_role)
         if key is None:
             return
         q = Queue(key, p.queues.get(key, 0.0), p.queue_n)

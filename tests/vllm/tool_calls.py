@@ -9,6 +9,12 @@ call whose `arguments` validate against that schema. `auto` is not constrained: 
 model's answer is text the parser finds no call in. Each answer through the router must be
 the colocated engine's, streaming and not, and P and D must have seen the client's tool
 fields.
+
+A stream is compared by what its deltas add up to and by its shape, not chunk by chunk:
+vLLM's API server merges the deltas of several engine steps into one chunk when its
+consumer falls behind (RequestOutputCollector.put in vllm/v1/engine/output_processor.py),
+so where one stream's boundaries fall depends on the moment, on any engine (CI failed on
+an `auto` stream that was cut differently through push than on the colocated engine).
 """
 
 from __future__ import annotations
@@ -109,6 +115,19 @@ def _assemble(chunks: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     return [{"message": message, "finish_reason": finish}]
 
 
+def stream_shape(answer: Answer) -> None:
+    """A chat stream as vLLM shapes one: the assistant's role in the first chunk only, the
+    finish_reason in one chunk, after which no delta adds to the message."""
+    chunks = answer.chunks
+    assert chunks, "no chunk"
+    roles = [i for i, cs in enumerate(chunks) for c in cs if c["delta"].get("role")]
+    assert roles == [0] and chunks[0][0]["delta"]["role"] == "assistant", roles
+    finished = [i for i, cs in enumerate(chunks) for c in cs if c.get("finish_reason")]
+    assert len(finished) == 1, finished
+    after = [c["delta"] for cs in chunks[finished[0] + 1:] for c in cs]
+    assert not any(d.get("content") or d.get("tool_calls") for d in after), after
+
+
 def check_forced_call(choice: dict[str, Any], kind: str) -> dict[str, Any]:
     """A forced call's structure: one call of get_weather whose arguments validate against
     the tool's parameters, and the finish_reason vLLM gives that kind. Returns the
@@ -135,7 +154,8 @@ def check_tool_calls(router: str, ref: str, p: Recorder, d: Recorder, kind: str)
     legs_carried(p, d, plain)
     streamed = tool_body(kind, stream=True)
     via_s, colocated_s = ask(router, streamed), ask(ref, streamed)
-    assert via_s.chunks == colocated_s.chunks
+    assert via_s.choices == colocated_s.choices
+    stream_shape(via_s)
     legs_carried(p, d, streamed)
 
     choice, assembled = via.choices[0], via_s.choices[0]

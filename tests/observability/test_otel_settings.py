@@ -87,13 +87,15 @@ StartRouter = Callable[..., Proc]
 @pytest.fixture
 def router(tmp_path: Path, tiny_model_dir: Path) -> Iterator[StartRouter]:
     """`router(env, sdk=True)`: a router process whose engines are not there (a request
-    gets a 503, still a traced request)."""
+    gets a 503, still a traced request). It waits 0.1 s for engines that will not come;
+    the default 10 s start-up wait made the module's requests take 100 s."""
     started: list[Proc] = []
 
     def start(env: dict[str, str], *, sdk: bool = True, args: tuple[str, ...] = ()) -> Proc:
         argv = ["router", "--model", str(tiny_model_dir), "--served-model-name", "tiny",
                 "--prefill", f"http://127.0.0.1:{_free_port()}", "--decode",
-                f"http://127.0.0.1:{_free_port()}", "--prefill-policy", "round-robin", *args]
+                f"http://127.0.0.1:{_free_port()}", "--prefill-policy", "round-robin",
+                "--startup-wait-s", "0.1", *args]
         started.append(_start(tmp_path, argv, env, sdk=sdk))
         return started[-1]
 

@@ -146,8 +146,8 @@ def check_forced_call(choice: dict[str, Any], kind: str) -> dict[str, Any]:
 def check_tool_calls(router: str, ref: str, p: Recorder, d: Recorder, kind: str) -> None:
     """`kind` of `TOOL_CHOICES` through `router` (in front of the recorders `p` and `d`)
     and on the colocated engine `ref`, non-streamed then streamed: the same choices (a
-    stream: the same chunks), the structure of a call, and both legs carried the client's
-    tool fields."""
+    stream: the same message from its deltas, in vLLM's shape), the structure of a call,
+    and both legs carried the client's tool fields."""
     plain = tool_body(kind)
     via, colocated = ask(router, plain), ask(ref, plain)
     assert via.choices == colocated.choices

@@ -140,8 +140,7 @@ def test_a_pass_through_route_is_traced(traced: tuple[Cluster, Receiver]) -> Non
     reply = httpx.post(cluster.router + "/tokenize", timeout=60,
                        json={"model": "tiny", "prompt": "Hello"},
                        headers={"traceparent": f"00-{PASSTHROUGH_TRACE}-{CLIENT_SPAN}-01"})
-    spans = [s for s in spans_of(receiver, PASSTHROUGH_TRACE, legs=0,
-                                       route="POST /tokenize")
+    spans = [s for s in spans_of(receiver, PASSTHROUGH_TRACE, legs=0, route="POST /tokenize")
              if s.service == "pdgate-router" and s.parent_id == CLIENT_SPAN]
     assert [s.name for s in spans] == ["POST /tokenize"], spans
     assert spans[0].attributes["http.response.status_code"] == reply.status_code

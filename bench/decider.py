@@ -13,7 +13,8 @@ Per phase and decider: TTFT p90 and request latency p90 (client side: send -> fi
 content chunk, send -> [DONE]), the phase's requests per second (each worker sends its next
 request when answered: a decider that unloads a saturated pool shows it here as much as in
 the p90s), the router's decisions by reason, its decider mode switches
-per second, and how close its predictions were: the share of requests whose measured TTFT
+per second (a bucket's held mode changing) and overrides per second (a request taking the
+mode its bucket does not hold, predicted cheaper by more than the margin), and how close its predictions were: the share of requests whose measured TTFT
 (from the decision) was within +-25 % of the predicted one, and the median measured /
 predicted ratio (`pdgate_decider_prediction_ratio`); `--json` splits them by choice (D
 alone, P then D).
@@ -155,6 +156,9 @@ def run_one(decider: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
             switches = sum(delta(after, before, "pdgate_decider_switches_total").values())
             f["decisions"] = delta(after, before, "pdgate_disagg_decisions_total")
             f["switches_per_s"] = switches / f["seconds"]
+            # Requests that took the mode their bucket did not hold (cheaper by the margin)
+            overrides = sum(delta(after, before, "pdgate_decider_overrides_total").values())
+            f["overrides_per_s"] = overrides / f["seconds"]
             # A closed loop: clients send again as soon as they are answered, so what a
             # decider gains on a saturated pool shows as throughput more than as p90s.
             f["req_per_s"] = len(jobs) / f["seconds"]
@@ -173,7 +177,7 @@ def run_one(decider: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
 
 def table(figures: dict[str, Any]) -> str:
     head = (f"{'phase':<6} {'decider':<14} {'TTFT p50':>9} {'TTFT p90':>9} {'lat p90':>9} "
-            f"{'req/s':>7} {'switch/s':>9} {'pred +-25%':>10}  decisions")
+            f"{'req/s':>7} {'switch/s':>9} {'over/s':>7} {'pred +-25%':>10}  decisions")
     rows = [head, "-" * len(head)]
     for phase_name in ("burst", "mixed"):
         for decider in figures:
@@ -184,6 +188,7 @@ def table(figures: dict[str, Any]) -> str:
             rows.append(f"{phase_name:<6} {decider:<14} {f['ttft_p50_ms']:>9.1f} "
                         f"{f['ttft_p90_ms']:>9.1f} {f['latency_p90_ms']:>9.1f} "
                         f"{f['req_per_s']:>7.1f} {f['switches_per_s']:>9.2f} "
+                        f"{f['overrides_per_s']:>7.2f} "
                         f"{'-' if within is None else f'{100 * within:.0f} %':>10}  "
                         f"{decisions}")
     return "\n".join(rows)

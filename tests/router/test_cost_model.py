@@ -80,30 +80,34 @@ def test_overhead_is_learnt_per_bucket() -> None:
         1000 / 2000 + 0.05)
 
 
-# Recorded predictions (time s, P then D s, D alone s) -> the bucket's mode after each.
+# Recorded predictions (time s, P then D s, D alone s) -> each request's mode (True: D
+# alone) and the bucket's held mode after it.
 HYSTERESIS = [
     # D alone cheaper, but by less than the 20 % margin: stays disaggregated.
-    ([(0.0, 1.0, 0.9), (0.1, 1.0, 0.85)], [False, False]),
+    ([(0.0, 1.0, 0.9), (0.1, 1.0, 0.85)], [False, False], [False, False]),
     # Cheaper by more: switches; then P recovers a little (inside the margin): holds.
-    ([(0.0, 1.0, 0.5), (0.1, 0.45, 0.5), (0.2, 0.42, 0.5)], [True, True, True]),
-    # Back when P is cheaper by more than the margin, but not before the 1 s dwell.
-    ([(0.0, 1.0, 0.5), (0.5, 0.2, 0.5), (1.2, 0.2, 0.5)], [True, True, False]),
-    # Alternating predictions (a flapping signal): one switch per dwell at most.
+    ([(0.0, 1.0, 0.5), (0.1, 0.45, 0.5), (0.2, 0.42, 0.5)], [True] * 3, [True] * 3),
+    # P cheaper by more than the margin inside the 1 s dwell: that request goes through P,
+    # the bucket keeps D alone until the dwell is over.
+    ([(0.0, 1.0, 0.5), (0.5, 0.2, 0.5), (1.2, 0.2, 0.5)], [True, False, False],
+     [True, True, False]),
+    # Alternating predictions beyond the margin: each request takes the cheaper mode, and
+    # the held mode (the one that serves inside the margin) changes once per dwell at most.
     ([(t / 10, 1.0 if t % 2 else 0.2, 0.5) for t in range(20)],
-     [False] + [True] * 11 + [False] * 8),
+     [bool(t % 2) for t in range(20)], [False] + [True] * 11 + [False] * 8),
 ]
 
 
-@pytest.mark.parametrize(("signals", "modes"), HYSTERESIS)
+@pytest.mark.parametrize(("signals", "decisions", "held"), HYSTERESIS)
 def test_hysteresis_on_recorded_predictions(
-    signals: list[tuple[float, float, float]], modes: list[bool],
+    signals: list[tuple[float, float, float]], decisions: list[bool], held: list[bool],
 ) -> None:
     h = Modes(margin=0.2, min_dwell_s=1.0)
-    got = []
+    got, got_held = [], []
     for t, t_pd, t_d in signals:
-        h.choose(3, t_pd, t_d, t)
-        got.append(h.mode(3))
-    assert got == modes
+        got.append(h.choose(3, t_pd, t_d, t)[0])
+        got_held.append(h.mode(3))
+    assert (got, got_held) == (decisions, held)
     assert h.mode(4) is False  # other buckets start disaggregated
 
 

@@ -63,8 +63,8 @@ _BY_MODEL = ("requests", "request_duration", "ttft", "inter_token_latency", "pre
              "policy_duration", "prefix_lookup_blocks", "prefix_hit_blocks",
              "prefix_index_entries", "kv_event_batches", "kv_event_gaps", "breaker_opened",
              "engine_breaker_state", "lora_loads", "decider_switches",
-             "decider_prediction_ratio", "engine_requests_waiting", "engine_requests_running",
-             "engine_kv_usage", "pd_pressure", "pd_recommended_ratio")
+             "decider_overrides", "decider_prediction_ratio", "engine_requests_waiting",
+             "engine_requests_running", "engine_kv_usage", "pd_pressure", "pd_recommended_ratio")
 
 
 class _Breaker(Protocol):
@@ -118,6 +118,7 @@ class RouterMetrics:
     retries: FastCounter  # role
     disagg_decisions: FastCounter  # reason
     decider_switches: FastCounter  # to (disagg | direct): a bucket's mode changed
+    decider_overrides: FastCounter  # to: a request took the mode its bucket does not hold
     decider_prediction_ratio: FastHistogram  # choice: measured / predicted TTFT
     pd_pressure: FastGauge  # role: capacity signal (measured-cost decider)
     pd_recommended_ratio: FastGauge  # P engines per D engine the pressures call for
@@ -327,6 +328,11 @@ class RouterMetrics:
             decider_switches=FastCounter(
                 "pdgate_decider_switches", "Measured-cost decider: a prompt-length bucket "
                 "changed its mode", [*m, "to"], registry=r,
+            ),
+            decider_overrides=FastCounter(
+                "pdgate_decider_overrides", "Measured-cost decider: a request took the mode "
+                "its bucket does not hold (predicted cheaper by more than the margin)",
+                [*m, "to"], registry=r,
             ),
             decider_prediction_ratio=FastHistogram(
                 "pdgate_decider_prediction_ratio", "Measured-cost decider: measured / "

@@ -36,8 +36,8 @@ Reasons (the `reason` label of `pdgate_disagg_decisions_total`, and the access l
 
 | reason             | disagg | when                                                        |
 |--------------------|--------|-------------------------------------------------------------|
-| `cost_disagg`      | yes    | P then D is predicted cheaper (or within `margin`, held) |
-| `cost_direct`      | no     | D alone is predicted cheaper (or within `margin`, held)  |
+| `cost_disagg`      | yes    | P then D is predicted cheaper (or, within `margin`, held)   |
+| `cost_direct`      | no     | D alone is predicted cheaper (or, within `margin`, held)    |
 | `decode_itl_guard` | yes    | D alone would be cheaper, but its prefill would stall the   |
 |                    |        | running decodes longer than `itl_stall_s` on every D        |
 | `long_prompt`      | yes    | more prompt tokens than `max_direct_tokens`                 |

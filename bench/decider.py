@@ -5,7 +5,10 @@ load on each: the static decider (every prompt through P then D), then `--decide
 measured-cost`. The load has two phases:
 
 1. a prefill-heavy burst: `--burst` streaming requests of `--long-tokens`-token prompts and
-   4 generated tokens, `--burst-concurrency` at once (the prefill pool queues);
+   4 generated tokens, `--burst-concurrency` at once (the prefill pool queues), or with
+   `--burst-rate` at that many a second whatever is in flight (an open loop: in a closed
+   loop the clients' requests are all queued somewhere, so a decider that unloads P shows
+   as throughput; at a fixed rate above P's throughput, as P's queue not growing);
 2. a mixed phase: `--mixed` requests, half long prompts with 4 tokens and half
    `--short-tokens`-token prompts with `--decode-tokens` tokens in an order shuffled by
    `--seed`, `--mixed-concurrency` at once.
@@ -117,19 +120,29 @@ def prediction(ratio_buckets: dict[str, float]) -> dict[str, float | None]:
             "observed": total}
 
 
-async def phase(url: str, jobs: list[tuple[str, int]], concurrency: int) -> dict[str, float]:
-    """Run `jobs` (prompt, max tokens) `concurrency` at a time; client-side p90s."""
+async def phase(url: str, jobs: list[tuple[str, int]], concurrency: int,
+                rate: float = 0.0) -> dict[str, float]:
+    """Run `jobs` (prompt, max tokens) `concurrency` at a time (a closed loop), or, with a
+    `rate`, one every 1/`rate` seconds whatever is in flight (an open loop); client-side
+    p90s."""
     queue = list(jobs)
     results: list[tuple[float, float, float]] = []
-    limits = httpx.Limits(max_connections=concurrency * 2)
+    limits = httpx.Limits(max_connections=len(jobs) if rate else concurrency * 2)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         async def worker() -> None:
             while queue:
                 text, max_tokens = queue.pop(0)
                 results.append(await one(client, text, max_tokens))
 
+        async def at(i: int, text: str, max_tokens: int) -> None:
+            await asyncio.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+            results.append(await one(client, text, max_tokens))
+
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        if rate:
+            await asyncio.gather(*(at(i, *job) for i, job in enumerate(jobs)))
+        else:
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     ttfts = sorted(r[0] for r in results)
     lats = sorted(r[1] for r in results)
@@ -138,7 +151,8 @@ async def phase(url: str, jobs: list[tuple[str, int]], concurrency: int) -> dict
             "ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2], "seconds": wall}
 
 
-def workload(args: argparse.Namespace) -> dict[str, tuple[list[tuple[str, int]], int]]:
+def workload(args: argparse.Namespace
+             ) -> dict[str, tuple[list[tuple[str, int]], int, float]]:
     burst = [(prompt(i, args.long_tokens), 4) for i in range(args.burst)]
     mixed = [(prompt(10_000 + i, args.long_tokens), 4) if i % 2 == 0 else
              (prompt(10_000 + i, args.short_tokens), args.decode_tokens)
@@ -149,7 +163,8 @@ def workload(args: argparse.Namespace) -> dict[str, tuple[list[tuple[str, int]],
     # and the long prompts' D legs on the other in every GPU run, a placement the order
     # made, not either decider (docs/benchmarks.md).
     random.Random(args.seed).shuffle(mixed)
-    return {"burst": (burst, args.burst_concurrency), "mixed": (mixed, args.mixed_concurrency)}
+    return {"burst": (burst, args.burst_concurrency, args.burst_rate),
+            "mixed": (mixed, args.mixed_concurrency, 0.0)}
 
 
 def run_one(decider: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
@@ -158,9 +173,9 @@ def run_one(decider: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
     try:
         asyncio.run(phase(url, [(prompt(90_000 + i, args.long_tokens), 4)
                                 for i in range(4)], 1))  # warm-up: KV links, first rates
-        for name, (jobs, conc) in workload(args).items():
+        for name, (jobs, conc, rate) in workload(args).items():
             before = scrape(url)
-            f = asyncio.run(phase(url, jobs, conc))
+            f = asyncio.run(phase(url, jobs, conc, rate))
             after = scrape(url)
             switches = sum(delta(after, before, "pdgate_decider_switches_total").values())
             f["decisions"] = delta(after, before, "pdgate_disagg_decisions_total")
@@ -207,6 +222,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--burst", type=int, default=48, help="requests in the burst")
     p.add_argument("--burst-concurrency", type=int, default=16)
+    p.add_argument("--burst-rate", type=float, default=0.0, metavar="PER_S",
+                   help="send the burst open loop, this many requests a second whatever is "
+                        "in flight (0, the default: --burst-concurrency clients, each "
+                        "sending again when answered)")
     p.add_argument("--mixed", type=int, default=48, help="requests in the mixed phase")
     p.add_argument("--mixed-concurrency", type=int, default=6)
     p.add_argument("--seed", type=int, default=0,

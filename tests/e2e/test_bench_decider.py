@@ -18,7 +18,8 @@ def test_decider_bench_compares_both_deciders() -> None:
     done = subprocess.run(
         [sys.executable, "bench/decider.py", "--burst", "8", "--mixed", "8",
          "--burst-concurrency", "4", "--mixed-concurrency", "2", "--long-tokens", "300",
-         "--step-budget", "512", "--json"],  # engines that take the budget (vLLM's flag)
+         "--step-budget", "512",  # engines that take the budget (vLLM's flag)
+         "--burst-rate", "20", "--json"],  # the burst open loop: 8 requests in 0.4 s
         cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout

@@ -18,9 +18,7 @@ from pdgate.router.policies.measured_cost import MeasuredCostDecider, MeasuredCo
 from pdgate.router.policies.setup import build_decider
 from pdgate.router.pool import EndpointPool
 from pdgate.router.request_context import RequestRecord
-
-P0, P1 = "http://127.0.0.1:9000", "http://127.0.0.1:9001"
-D0, D1 = "http://127.0.0.1:9100", "http://127.0.0.1:9101"
+from tests.router.cost_model_fixtures import D0, D1, P0, P1, Clock
 
 
 @pytest.mark.parametrize(("n", "bucket"), [
@@ -109,14 +107,6 @@ def test_hysteresis_on_recorded_predictions(
         got_held.append(h.mode(3))
     assert (got, got_held) == (decisions, held)
     assert h.mode(4) is False  # other buckets start disaggregated
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def make(params: MeasuredCostParams | None = None, static: PrefixDecider | None = None,

@@ -18,17 +18,7 @@ from pdgate.router.policies.decider import PrefixDecider
 from pdgate.router.policies.measured_cost import MeasuredCostDecider, MeasuredCostParams
 from pdgate.router.pool import EndpointPool
 from pdgate.router.request_context import RequestRecord
-
-P0, P1 = "http://127.0.0.1:9000", "http://127.0.0.1:9001"
-D0, D1 = "http://127.0.0.1:9100", "http://127.0.0.1:9101"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.router.cost_model_fixtures import D0, D1, P0, P1, Clock
 
 
 async def _decide_and_give(decider: MeasuredCostDecider, pool: EndpointPool,

@@ -9,34 +9,24 @@ from typing import Literal
 
 from prometheus_client import CollectorRegistry
 
-from pdgate.router import request_context
 from pdgate.router.engine_load import EngineLoad
-from pdgate.router.input.schema import ClientRequest, CompletionParams
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import PickContext, build_policy, choose
 from pdgate.router.policies.decider import PrefixDecider
 from pdgate.router.policies.measured_cost import MeasuredCostDecider, MeasuredCostParams
 from pdgate.router.pool import EndpointPool
-from pdgate.router.request_context import RequestRecord
-from tests.router.cost_model_fixtures import D0, D1, P0, P1, Clock
+from tests.router.cost_model_fixtures import D0, D1, P0, P1, Clock, recorded
 
 
 async def _decide_and_give(decider: MeasuredCostDecider, pool: EndpointPool,
                            rid: str) -> tuple[str, float]:
     """Decide a 1,000-token prompt and give the leg computing it to an engine (the runner
     takes the decider's preferred one): (reason, predicted TTFT)."""
-    record = RequestRecord("POST", "/v1/completions", arrival=decider._clock())
-    token = request_context.open_record(record)
-    try:
-        req = ClientRequest("completion", "/v1/completions", {"prompt": "x"},
-                            CompletionParams(prompt="x"), rid, {},
-                            prompt_token_ids=list(range(1000)))
+    with recorded(decider, rid, 1000) as (req, record):
         d = decider.decide(req)
         role: Literal["prefill", "decode"] = "prefill" if d.disagg else "decode"
         ep = await choose(pool, role, build_policy("round-robin"), PickContext(rid))
         req.served_by[role] = ep.key
-    finally:
-        request_context.close_record(token)
     assert record.predicted_ttft_s is not None
     return d.reason, record.predicted_ttft_s
 

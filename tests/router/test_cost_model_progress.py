@@ -6,34 +6,25 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry
 
-from pdgate.router import request_context
-from pdgate.router.input.schema import ClientRequest, CompletionParams
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import PickContext, build_policy, choose
 from pdgate.router.policies.decider import PrefixDecider
 from pdgate.router.policies.measured_cost import MeasuredCostDecider, MeasuredCostParams
 from pdgate.router.pool import EndpointPool
-from pdgate.router.request_context import RequestRecord, RequestWatcher
-from tests.router.cost_model_fixtures import D0, D1, P0, P1, Clock
+from pdgate.router.request_context import RequestWatcher
+from tests.router.cost_model_fixtures import D0, D1, P0, P1, Clock, recorded
 
 
 async def _given_to_p0(decider: MeasuredCostDecider, pool: EndpointPool, rid: str
                        ) -> RequestWatcher:
     """A 1,500-token prompt decided P then D, its P leg given to P0."""
-    record = RequestRecord("POST", "/v1/completions", arrival=decider._clock())
-    token = request_context.open_record(record)
-    try:
-        req = ClientRequest("completion", "/v1/completions", {"prompt": "x"},
-                            CompletionParams(prompt="x"), rid, {},
-                            prompt_token_ids=list(range(1500)))
+    with recorded(decider, rid, 1500) as (req, record):
         assert decider.decide(req).disagg
         p1 = pool.endpoints("prefill")[1]
         ep = await choose(pool, "prefill", build_policy("round-robin"), PickContext(rid),
                           exclude=[p1])
         assert ep.key == P0
         req.served_by["prefill"] = P0
-    finally:
-        request_context.close_record(token)
     assert record.watcher is not None
     return record.watcher
 

@@ -18,7 +18,7 @@ from pdgate.router.policies.measured_cost import MeasuredCostDecider, MeasuredCo
 from pdgate.router.policies.setup import build_decider
 from pdgate.router.pool import EndpointPool
 from pdgate.router.request_context import RequestRecord
-from tests.router.cost_model_fixtures import D0, D1, P0, P1, Clock
+from tests.router.cost_model_fixtures import D0, D1, P0, P1, Clock, recorded
 
 
 @pytest.mark.parametrize(("n", "bucket"), [
@@ -168,6 +168,38 @@ def test_bounds_and_the_decode_itl_guard() -> None:
     for ep in pool.endpoints("decode"):
         ep.load = EngineLoad(0.0, 2.0, 0.1, clock.t, mine=1)
     assert decider.decide(request(800)).reason == "decode_itl_guard"
+
+
+def test_the_delay_d_alone_adds_to_running_streams_counts_against_it() -> None:
+    """D alone's prefill (0.5 s here) delays every stream running on that D by as much: it
+    is taken only where it saves its request more than it costs them (`stall_weight` 1),
+    on the D where the sum is least. No hard ITL bound here (`itl_stall_s` 0)."""
+    params = MeasuredCostParams(prior_tps=1000.0, min_dwell_s=0.0, itl_stall_s=0.0)
+    decider, pool, _, clock = make(params)
+    for ep in pool.endpoints("prefill"):  # one queued prompt each: P then D takes 1.0 s
+        ep.load = EngineLoad(1.0, 0.0, 0.5, clock.t)
+    assert decider.decide(request(500)).reason == "cost_direct"  # idle D: 0.5 s
+    d0, d1 = pool.endpoints("decode")
+    d0.in_flight = d1.in_flight = 2  # 0.5 s saved, 2 x 0.5 s of stall
+    d = decider.decide(request(500))
+    assert (d.disagg, d.reason) == (True, "decode_stall_cost")
+    # Not counted (weight 0): the same signals take D alone.
+    free, _, _, clock0 = make(MeasuredCostParams(prior_tps=1000.0, min_dwell_s=0.0,
+                                                 itl_stall_s=0.0, stall_weight=0.0))
+    for ep in free.pool.endpoints("prefill"):
+        ep.load = EngineLoad(1.0, 0.0, 0.5, clock0.t)
+    for ep in free.pool.endpoints("decode"):
+        ep.in_flight = 2
+    assert free.decide(request(500)).reason == "cost_direct"
+    # A D with no streams but a queued prompt (0.3 s) is cheaper than one with two streams
+    # and nothing queued (0.5 s + 1.0 s of stall): the prompt goes there.
+    d1.in_flight = 0
+    d1.load = EngineLoad(0.6, 0.0, 0.1, clock.t)  # 0.6 x the mean prompt (500)
+    with recorded(decider, "r2", 500) as (req, record):
+        assert decider.decide(req).reason == "cost_direct"
+        assert record.predicted_ttft_s == pytest.approx(0.8)  # its TTFT, not the cost
+        assert record.watcher is not None
+        assert record.watcher.preferred("decode") == D1
 
 
 def test_a_mode_left_unmeasured_is_probed_and_what_the_probe_measures_counts() -> None:
@@ -336,7 +368,9 @@ async def test_the_prompt_goes_to_the_engine_it_was_predicted_on() -> None:
     goes to the D with the least queued work, even where the decode policy
     (`least-inflight`: counts of requests) would pick the other; a burst spreads over the
     pool as it is decided; a disaggregated prompt goes to the least loaded P."""
-    decider, pool, _, clock = make(MeasuredCostParams(prior_tps=1000.0, min_dwell_s=0.0))
+    # Queued work alone: the stall D0's three streams would suffer is another test's.
+    decider, pool, _, clock = make(MeasuredCostParams(prior_tps=1000.0, min_dwell_s=0.0,
+                                                      stall_weight=0.0))
     for ep in pool.endpoints("prefill"):  # a congested P pool: D alone is cheaper
         ep.load = EngineLoad(8.0, 2.0, 0.5, clock.t)
     d0, d1 = pool.endpoints("decode")

@@ -85,6 +85,7 @@ def test_measured_cost_decisions_answer_as_colocated(
         got = complete(router, prompt, 8)
         assert got.choices[0].text == complete(ref, prompt, 8).choices[0].text
     decided = sum(metric(router, "pdgate_disagg_decisions_total", f'reason="{r}"')
-                  for r in ("cost_disagg", "cost_direct", "decode_itl_guard", "probe"))
+                  for r in ("cost_disagg", "cost_direct", "decode_itl_guard",
+                            "decode_stall_cost", "probe"))
     assert decided == 4
     assert metric(router, "pdgate_decider_prediction_ratio_count") == 4

@@ -40,6 +40,9 @@ Reasons (the `reason` label of `pdgate_disagg_decisions_total`, and the access l
 | `cost_direct`      | no     | D alone is predicted cheaper (or, within `margin`, held)    |
 | `decode_itl_guard` | yes    | D alone would be cheaper, but its prefill would stall the   |
 |                    |        | running decodes longer than `itl_stall_s` on every D        |
+| `decode_stall_cost`| yes    | D alone would be cheaper by more than `margin` for this     |
+|                    |        | request, but not once the delay its prefill adds to the     |
+|                    |        | streams running on that D is counted (`stall_weight`)       |
 | `long_prompt`      | yes    | more prompt tokens than `max_direct_tokens`                 |
 | `probe`            | either | the mode the bucket does not hold, measured again (below)   |
 
@@ -64,6 +67,8 @@ the ratio measured / predicted is observed in `pdgate_decider_prediction_ratio{c
 | `min_dwell_s`       | 1.0     | a bucket keeps a mode at least this long (seconds)     |
 | `itl_stall_s`       | 1.0     | longest stall of a busy D's decodes that D alone may   |
 |                     |         | cause, in seconds (0: no guard)                        |
+| `stall_weight`      | 1.0     | what a second of stall to each running stream costs,   |
+|                     |         | in seconds of the request's TTFT (0: not counted)      |
 | `max_direct_tokens` | 0       | longer prompts always disaggregate (0: no bound)       |
 | `probe_s`           | 10.0    | a mode unmeasured this long gets one request (0: never) |
 | `alpha`             | 0.3     | weight of the newest measurement in each average       |
@@ -114,6 +119,7 @@ class MeasuredCostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     margin: Annotated[float, Meta(ge=0.0)] = 0.2
     min_dwell_s: Annotated[float, Meta(ge=0.0)] = 1.0
     itl_stall_s: Annotated[float, Meta(ge=0.0)] = 1.0
+    stall_weight: Annotated[float, Meta(ge=0.0)] = 1.0
     max_direct_tokens: Annotated[int, Meta(ge=0)] = 0
     probe_s: Annotated[float, Meta(ge=0.0)] = 10.0
     alpha: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.3
@@ -294,14 +300,17 @@ class MeasuredCostDecider:
         queues = self.queues(prefill, decode)
         m = self.queue_n
         self._turn += 1
-        t_p, p_key = self._engine(prefill, queues, n)
+        t_p, _, p_key = self._engine(prefill, queues, n)
         t_pd = t_p + self.model.overhead(n)
-        # D alone on a D where its prefill would not stall running streams, if there is one
+        # D alone on a D where its prefill would not stall running streams, if there is one,
+        # costed with the delay it adds to them
         calm = [ep for ep in decode if not self._stalls_decodes(ep, n)]
-        t_d, d_key = self._engine(calm or decode, queues, n)
+        t_d, cost_d, d_key = self._engine(calm or decode, queues, n, self._stall_cost)
         b = bucket_of(n)
-        direct = self._mode(b, t_pd, t_d)
+        direct = self._mode(b, t_pd, cost_d)
         reason = "cost_direct" if direct else "cost_disagg"
+        if not direct and t_d * (1 + self.params.margin) < t_pd:
+            reason = "decode_stall_cost"  # only the stalled streams' delay kept it off D
         if self._probe_due(b, not direct):
             direct, reason = not direct, "probe"
         if direct and not calm:
@@ -312,22 +321,25 @@ class MeasuredCostDecider:
         self._watch(req, n, direct, queues, m, t_d if direct else t_pd, prefer)
         return Decision(not direct, reason)
 
-    def _engine(self, engines: Sequence[Endpoint], queues: dict[str, float],
-                n: int) -> tuple[float, str | None]:
-        """(predicted prefill seconds, key) of the one of `engines` a prompt of `n` tokens
-        would go to, behind `queues`: the least predicted, or any within `margin` of it,
-        taken in turn. A per-engine rate is a noisy average, so an idle pool's engines never
-        predict exactly alike, and the least alone would send every prompt of a quiet pool
-        to whichever measured fastest last; within the margin they are equals and share the
-        work (round robin)."""
+    def _engine(self, engines: Sequence[Endpoint], queues: dict[str, float], n: int,
+                extra: Callable[[Endpoint, int], float] | None = None
+                ) -> tuple[float, float, str | None]:
+        """(predicted prefill seconds, cost, key) of the one of `engines` a prompt of `n`
+        tokens would go to, behind `queues`: the least cost (the predicted time plus
+        `extra`'s seconds), or any within `margin` of it, taken in turn. A per-engine rate is
+        a noisy average, so an idle pool's engines never predict exactly alike, and the
+        least alone would send every prompt of a quiet pool to whichever measured fastest
+        last; within the margin they are equals and share the work (round robin)."""
         if not engines:
-            return math.inf, None
+            return math.inf, math.inf, None
         m = self.queue_n
         times = [self.model.prefill_s(Queue(ep.key, queues[ep.key], m), n) for ep in engines]
-        bound = min(times) * (1 + self.params.margin)
-        near = [i for i, t in enumerate(times) if t <= bound]
+        costs = [t + extra(ep, n) if extra is not None else t
+                 for t, ep in zip(times, engines, strict=True)]
+        bound = min(costs) * (1 + self.params.margin)
+        near = [i for i, c in enumerate(costs) if c <= bound]
         i = near[self._turn % len(near)]
-        return times[i], engines[i].key
+        return times[i], costs[i], engines[i].key
 
     def _quietest_decoder(self) -> str | None:
         """The D a disaggregated request's decode leg should take: the least prompt work
@@ -337,7 +349,7 @@ class MeasuredCostDecider:
         `least-inflight` counts."""
         decode = self.pool.healthy("decode")
         self._turn += 1
-        return self._engine(decode, self.queues((), decode), 0)[1]
+        return self._engine(decode, self.queues((), decode), 0)[2]
 
     def _probe_due(self, bucket: int, direct: bool) -> bool:
         """Whether bucket's mode `direct` went `probe_s` unmeasured (and unprobed): if so,
@@ -425,6 +437,21 @@ class MeasuredCostDecider:
         # as they are now (a request of ours that just ended is no stall).
         busy = ep.in_flight > 0 or (ep.load is not None and ep.load.others_running > 0)
         return busy and n / self.model.rate(ep.key, n) > limit
+
+    def _stall_cost(self, ep: Endpoint, n: int) -> float:
+        """Seconds D alone on `ep` costs beyond the request's own TTFT: its prefill
+        (`n / rate`) delays each request running there (this router's, and the others the
+        engine last reported) by as much, weighed by `stall_weight`. Without it a long
+        prompt saving 50 ms of its own went to a D where it stalled three streams 100 ms
+        each; with the guard alone as the bound (30 ms in the CPU bench), a D decoding
+        anything took no long prompt, and a burst's closed loop queued on P as if there
+        were no D (docs/benchmarks.md)."""
+        weight = self.params.stall_weight
+        if not weight:
+            return 0.0
+        others = ep.load.others_running if ep.load is not None else 0
+        streams = ep.in_flight + others
+        return weight * streams * n / self.model.rate(ep.key, n) if streams else 0.0
 
     def _watch(self, req: ClientRequest, n: int, direct: bool, queues: dict[str, float],
                queue_n: int, predicted: float, prefer: dict[str, str]) -> None:

@@ -15,15 +15,14 @@ measured-cost`. The load has two phases:
 
 Per phase and decider: TTFT p90 and request latency p90 (client side: send -> first
 content chunk, send -> [DONE]), the p90 of each stream's longest gap between two chunks
-(the stall a prompt computed beside it on its D caused), the phase's requests per second (each worker sends its next
-request when answered: a decider that unloads a saturated pool shows it here as much as in
-the p90s), the router's decisions by reason, its decider mode switches per second (a
-bucket's held mode changing) and overrides per second (a request taking the mode its bucket
-does not hold, predicted cheaper by more than the margin), and how close its predictions
-were: the share of requests whose measured TTFT (from the decision) was within +-25 % of the
-predicted one, and the median measured /
-predicted ratio (`pdgate_decider_prediction_ratio`); `--json` splits them by choice (D
-alone, P then D).
+(the stall a prompt computed beside it on its D caused), the phase's requests per second
+(each worker sends its next request when answered: a decider that unloads a saturated pool
+shows it here as much as in the p90s), the router's decisions by reason, its decider mode
+switches per second (a bucket's held mode changing) and overrides per second (a request
+taking the mode its bucket does not hold, predicted cheaper by more than the margin), and
+how close its predictions were: the share of requests whose measured TTFT (from the
+decision) was within +-25 % of the predicted one, and the median measured / predicted ratio
+(`pdgate_decider_prediction_ratio`); `--json` splits them by choice (D alone, P then D).
 
     python bench/decider.py [--burst 48] [--mixed 48] [--device cuda] [--json]
 
@@ -219,7 +218,8 @@ def table(figures: dict[str, Any]) -> str:
                                   for k, v in sorted(f["decisions"].items()))
             rows.append(f"{phase_name:<6} {decider:<14} {f['ttft_p50_ms']:>9.1f} "
                         f"{f['ttft_p90_ms']:>9.1f} {f['latency_p90_ms']:>9.1f} "
-                        f"{f['gap_p90_ms']:>8.1f} {f['req_per_s']:>7.1f} {f['switches_per_s']:>9.2f} "
+                        f"{f['gap_p90_ms']:>8.1f} {f['req_per_s']:>7.1f} "
+                        f"{f['switches_per_s']:>9.2f} "
                         f"{f['overrides_per_s']:>7.2f} "
                         f"{'-' if within is None else f'{100 * within:.0f} %':>10}  "
                         f"{decisions}")

@@ -157,7 +157,7 @@ def test_bounds_and_the_decode_itl_guard() -> None:
     for ep in pool.endpoints("decode"):
         ep.in_flight = 3  # D is decoding: a 0.8 s prefill would stall those streams
     d = decider.decide(request(800))
-    assert (d.disagg, d.reason) == (True, "decode_itl_guard")
+    assert (d.disagg, d.reason) == (True, "decode_itl_guard")  # the bound, not the cost
     assert decider.decide(request(400)).reason == "cost_direct"
     # The engines' last read still shows one running request, which was this router's and
     # has ended since: no stall. One running request of another router's is one.

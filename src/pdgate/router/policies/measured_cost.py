@@ -306,6 +306,8 @@ class MeasuredCostDecider:
         # costed with the delay it adds to them
         calm = [ep for ep in decode if not self._stalls_decodes(ep, n)]
         t_d, cost_d, d_key = self._engine(calm or decode, queues, n, self._stall_cost)
+        if not calm:
+            cost_d = t_d  # the guard decides (below): the reason it counts is the bound
         b = bucket_of(n)
         direct = self._mode(b, t_pd, cost_d)
         reason = "cost_direct" if direct else "cost_disagg"

@@ -31,6 +31,8 @@ def test_decider_bench_compares_both_deciders() -> None:
         for phase in ("burst", "mixed"):
             f = figures[decider][phase]
             assert f["ttft_p90_ms"] > 0 and f["latency_p90_ms"] >= f["ttft_p90_ms"]
+            # a stream's longest gap between chunks lies within its request
+            assert 0 < f["gap_p90_ms"] <= f["latency_p90_ms"]
             assert sum(f["decisions"].values()) == 8  # every request decided, counted
             assert f["req_per_s"] == pytest.approx(8 / f["seconds"])
     # Only the measured-cost decider predicts; each of its requests is observed.

@@ -443,11 +443,11 @@ class MeasuredCostDecider:
     def _stall_cost(self, ep: Endpoint, n: int) -> float:
         """Seconds D alone on `ep` costs beyond the request's own TTFT: its prefill
         (`n / rate`) delays each request running there (this router's, and the others the
-        engine last reported) by as much, weighed by `stall_weight`. Without it a long
-        prompt saving 50 ms of its own went to a D where it stalled three streams 100 ms
-        each; with the guard alone as the bound (30 ms in the CPU bench), a D decoding
-        anything took no long prompt, and a burst's closed loop queued on P as if there
-        were no D (docs/benchmarks.md)."""
+        engine last reported) by as much, weighed by `stall_weight`. Without it, D alone
+        was taken whenever its own TTFT was sooner, however many streams it stalled, and
+        the guard was the only protection: set low enough to keep long prompts away from
+        the CPU bench's short streams (30 ms), it kept them off any D decoding anything,
+        and a closed-loop burst queued on P as if there were no D (docs/benchmarks.md)."""
         weight = self.params.stall_weight
         if not weight:
             return 0.0

@@ -364,7 +364,9 @@ async def test_d_stops_waiting_when_p_says_the_write_will_not_land(trio: Trio) -
     p.fail_push("r", "transfer", "WRITE failed")
     with pytest.raises(KVTransferError, match="transfer: WRITE failed") as info:
         await wait
-    assert info.value.reason == "peer" and time.monotonic() - t0 < 0.5
+    # at once: well inside the 30 s transfer timeout it would otherwise wait (the margin
+    # is for a loaded CI machine, not the measure)
+    assert info.value.reason == "peer" and time.monotonic() - t0 < 5.0
 
 
 async def test_await_landing_reads_a_failed_notice_as_not_landed(trio: Trio) -> None:
@@ -373,7 +375,7 @@ async def test_await_landing_reads_a_failed_notice_as_not_landed(trio: Trio) -> 
     fabric.send("p-1", d1.agent_name, encode_notice(failed("res-1", "timeout")))
     t0 = time.monotonic()
     assert await d1.await_landing("res-1", 30.0) is None
-    assert time.monotonic() - t0 < 0.5
+    assert time.monotonic() - t0 < 5.0  # the notice ends it, not the 30 s wait
 
 
 async def test_a_stray_failed_notice_cannot_poison_a_later_wait(trio: Trio) -> None:

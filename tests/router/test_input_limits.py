@@ -119,7 +119,8 @@ def test_sandbox_stops_template_bombs_by_itself(bomb: str) -> None:
     with pytest.raises(InvalidRequest):
         render_bounded(env, SANDBOX_BOMBS[bomb], {"messages": HI}, timeout_s=0.3,
                        max_chars=4 * 1024 * 1024)
-    assert time.perf_counter() - t0 < 0.3 + 0.5
+    # refused at once or stopped at its 0.3 s budget (the margin is for a loaded CI machine)
+    assert time.perf_counter() - t0 < 0.3 + 2.0
 
 
 async def test_template_worker_is_killed_when_it_does_not_stop(

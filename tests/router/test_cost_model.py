@@ -49,6 +49,20 @@ def test_rates_learn_from_recorded_prefills_and_borrow_until_measured() -> None:
     assert m.rate(P0, 1000) == 3000.0
 
 
+def test_an_unmeasured_bucket_borrows_the_same_bucket_of_other_engines_first() -> None:
+    """A short prompt's rate is mostly its fixed cost per request: D0's first 64-token prompt
+    takes P0's figure for that length (3,200 tokens/s), not D0's own long prompts' (75,000,
+    which predicted 1 ms for what took ~50 ms on a 4-GPU host)."""
+    m = CostModel(alpha=1.0, prior_tps=1000.0)
+    m.learn_prefill(Queue(P0, 0), 1500, 0.02)
+    m.learn_prefill(Queue(P0, 0), 64, 0.02)
+    m.learn_prefill(Queue(D0, 0), 1500, 0.02)
+    assert m.rate(D0, 64) == pytest.approx(3_200)
+    assert m.prefill_s(Queue(D0, 0), 64) == pytest.approx(0.02)
+    # No engine measured the bucket: the engine's nearest bucket.
+    assert m.rate(D0, 600) == pytest.approx(75_000)
+
+
 def test_a_queue_runs_at_its_own_prompts_rate() -> None:
     """Recorded on a 2-GPU host: a 1,500-token prompt alone took 20 ms, a 64-token one 20 ms
     too (the engine's fixed cost per request). A short prompt behind a long one takes both,

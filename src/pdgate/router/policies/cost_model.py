@@ -20,8 +20,13 @@ per engine and per prompt-length bucket (powers of two from 128 tokens) from the
 measurements: each P leg's duration, and each direct request's time to first token.
 `overhead` is what a disaggregated request takes beyond its P leg (KV transfer and D's first
 step), learned per bucket. All three are exponentially weighted moving averages (`alpha`);
-an engine or bucket never measured borrows the nearest figure measured (same engine, other
-buckets; same bucket, other engines), then `prior_tps`.
+an engine or bucket never measured borrows the nearest figure measured: the same bucket on
+the other engines (their mean), else the engine's nearest bucket, then `prior_tps`. The
+bucket comes first because a short prompt's "rate" is mostly the fixed cost per request and
+a long one's the cost per token, a gap of 20x on one engine, while engines serving one
+model differ far less: borrowed from the long prompts' bucket of the same engine, the first
+64-token prompt on a D was predicted at 1 ms and took 46-51 ms, where the P engines' short
+prompts were predicted at 15-21 ms and took 12-17 ms (4x H200 runs, docs/benchmarks.md).
 
 Why two rates: a short prompt's time is mostly the engine's fixed cost per request (a step
 of its running batch, HTTP), so its bucket learns a low "rate"; dividing long prompts queued
@@ -82,13 +87,13 @@ class CostModel:
         own = self._rates.get((key, b))
         if own is not None and own.value is not None:
             return own.value
+        same = [e.value for (_, kb), e in self._rates.items() if kb == b and e.value is not None]
+        if same:
+            return sum(same) / len(same)
         mine = [(abs(kb - b), e.value) for (k, kb), e in self._rates.items()
                 if k == key and e.value is not None]
         if mine:
             return min(mine)[1]
-        same = [e.value for (_, kb), e in self._rates.items() if kb == b and e.value is not None]
-        if same:
-            return sum(same) / len(same)
         return self.prior_tps
 
     def overhead(self, n: int) -> float:

@@ -93,6 +93,7 @@ class FakeEngine:
     # the KV (kv_load_failure_policy "fail"); decodes without params still succeed.
     fail_kv_loads: bool = False
     delay_s: float = 0.0  # before answering a completion
+    drop_completions: bool = False  # close the connection unanswered (killed mid-request)
     token_delay_s: float = 0.0  # between streamed tokens (none before the first)
     first_token_delay_s: float = 0.0  # after the stream's headers, before its first token
     health_status: int = 200
@@ -305,6 +306,9 @@ class FakeEngine:
         self.requests.append(rec)
         if self.delay_s:
             await self._pause(self.delay_s)
+        if self.drop_completions and request.transport is not None:
+            request.transport.abort()
+            return web.Response()  # never written: the connection is gone
         status = self.fail_status or (503 if rec.rank in self.failing_ranks else None)
         if status is not None:
             err = {"error": {"message": self.fail_message or f"fake failure {status}",

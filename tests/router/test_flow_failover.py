@@ -84,6 +84,25 @@ async def test_every_prefill_engine_down_runs_decode_only(
 
 
 @pytest.mark.parametrize("mode", MODES)
+async def test_only_prefill_engine_dropping_the_connection_runs_decode_only(
+    make_engine: MakeEngine, start_router: StartRouter, mode: str
+) -> None:
+    """P killed in the middle of a request's leg: the connection drops, and the pool still
+    counts P healthy until its next probe (hourly here). The request runs on D alone,
+    counted, as in the pull flow, instead of a 502 (seen in tests/chaos/test_migration.py's
+    prefill kill, notify mode, once in a full suite)."""
+    p = await make_engine(engine_id="P0", drop_completions=True)
+    # Push: D waits for P's KV like a real engine would (the fake answers after a delay).
+    d = await make_engine(engine_id="D0", delay_s=0.3 if mode == "push" else 0.0)
+    router = await start_router([p], [d], pd_mode=mode, kv_ready_timeout_s=5.0)
+    resp = await router.client.post("/v1/completions", json=BODY)
+    assert resp.status_code == 200, resp.text
+    assert _text(resp.text, False) == "Hello world!"
+    assert router.metric("pdgate_fallbacks_total", {"reason": "no_prefill"}) == 1
+    assert d.decodes[-1].body.get("kv_transfer_params") is None  # D computed the prompt
+
+
+@pytest.mark.parametrize("mode", MODES)
 async def test_only_prefill_engine_failing_is_a_clear_error_and_counted(
     make_engine: MakeEngine, start_router: StartRouter, mode: str
 ) -> None:

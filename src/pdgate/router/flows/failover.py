@@ -81,6 +81,9 @@ class Exclusions:
     prefill: list[Endpoint] = dataclasses.field(default_factory=list)
     decode: list[Endpoint] = dataclasses.field(default_factory=list)
     avoid_prefill: list[Endpoint] = dataclasses.field(default_factory=list)
+    # prefill engines this request could not reach, or that dropped its connection: down
+    # for it, though the pool may count them healthy until the next probe
+    unreachable_prefill: list[Endpoint] = dataclasses.field(default_factory=list)
 
     def of(self, role: Role) -> list[Endpoint]:
         return self.prefill if role == "prefill" else self.decode
@@ -156,6 +159,8 @@ def _retry_or_raise(req: ClientRequest, failure: LegFailure, attempt: int, max_r
         raise failure.error from None
     if not gone:
         excluded.of(failure.role).append(failure.ep)
+    if failure.role == "prefill" and isinstance(failure.error, EngineUnavailable):
+        excluded.unreachable_prefill.append(failure.ep)
     if failure.pair is not None:
         excluded.avoid_prefill.append(failure.pair)
     metrics.child(metrics.retries, failure.role).inc()
@@ -179,8 +184,10 @@ class PullInstead(Exception):  # noqa: N818 -- a signal, not an error
 async def choose_prefill(pool: EndpointPool, selector: Selector, ctx: PickContext,
                          ex: Exclusions) -> Endpoint:
     """A prefill engine not excluded (one only avoided when no other is left); `PullInstead`
-    when every prefill engine is down (the pull flow then serves the request on a decode
-    engine alone, counted there)."""
+    when every prefill engine is down, or every one the pool still counts healthy is one
+    this request found unreachable (a P killed mid-leg drops the connection while the
+    health probes still count it, as the pull flow knows): the pull flow then serves the
+    request on a decode engine alone, counted there."""
     try:
         if ex.avoid_prefill:
             try:
@@ -190,7 +197,8 @@ async def choose_prefill(pool: EndpointPool, selector: Selector, ctx: PickContex
                 pass
         return await choose(pool, "prefill", selector, ctx, exclude=ex.prefill)
     except NoEndpointAvailable:
-        if not pool.healthy("prefill"):
+        down = {ep.key for ep in ex.unreachable_prefill}
+        if all(ep.key in down for ep in pool.healthy("prefill")):
             raise PullInstead from None
         raise
 

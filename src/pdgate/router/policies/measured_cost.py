@@ -303,11 +303,11 @@ class MeasuredCostDecider:
         t_p, _, p_key = self._engine(prefill, queues, n)
         t_pd = t_p + self.model.overhead(n)
         # D alone on a D where its prefill would not stall running streams, if there is one,
-        # costed with the delay it adds to them
+        # costed with the delay it adds to them; with no D within the bound the guard
+        # decides (below), and the reason it counts is the bound, not the cost
         calm = [ep for ep in decode if not self._stalls_decodes(ep, n)]
-        t_d, cost_d, d_key = self._engine(calm or decode, queues, n, self._stall_cost)
-        if not calm:
-            cost_d = t_d  # the guard decides (below): the reason it counts is the bound
+        t_d, cost_d, d_key = self._engine(calm or decode, queues, n,
+                                          self._stall_cost if calm else None)
         b = bucket_of(n)
         direct = self._mode(b, t_pd, cost_d)
         reason = "cost_direct" if direct else "cost_disagg"

@@ -118,6 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="engine device: cpu, cuda or cuda:N; a comma list (cuda:0,cuda:1,...) "
                    "gives the engines its devices in turn, in start order (each model's "
                    "prefill engines, then its decode engines)")
+    p.add_argument("--cores-per-engine", type=int, default=0, metavar="N",
+                   help="engine i runs on cores i*N..i*N+N-1 only, in start order (its "
+                   "--cpus), as engines on GPUs of their own do not compete; the router "
+                   "keeps this command's cores (default 0: engines share every core)")
     p.add_argument("--dtype", default=None, help="engine dtype (default: float32 on cpu)")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens")
     p.add_argument("--num-blocks", type=int, default=1024, help="KV blocks per engine")
@@ -191,6 +195,9 @@ def _engine_argv(args: argparse.Namespace, plan: ModelPlan, name: str, i: int) -
     if args.kv_digests:
         argv.append("--kv-digests")
     argv += ["--log-format", args.log_format]
+    if args.cores_per_engine > 0:  # before the extra flags: an explicit --cpus wins
+        first = i * args.cores_per_engine
+        argv += ["--cpus", f"{first}-{first + args.cores_per_engine - 1}"]
     if args.otlp_traces_endpoint:
         argv += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     if args.notify_secret:
@@ -446,6 +453,11 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.colocated_models <= args.models or args.models < 1:
         print("pdgate up: --models must be >= 1 and --colocated-models in 0..--models",
               file=sys.stderr)
+        return 2
+    engines = args.models * args.decode + (args.models - args.colocated_models) * args.prefill
+    if args.cores_per_engine < 0 or engines * args.cores_per_engine > (os.cpu_count() or 1):
+        print(f"pdgate up: --cores-per-engine {args.cores_per_engine}: {engines} engines, "
+              f"{os.cpu_count()} cores", file=sys.stderr)
         return 2
     if not any(d.strip() for d in args.device.split(",")):
         print("pdgate up: --device names no device", file=sys.stderr)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -42,6 +43,35 @@ def test_engines_take_the_listed_devices_in_turn(tiny_model_dir: Path, tmp_path:
         assert r.json()["usage"]["completion_tokens"] == 4
     finally:
         assert c.stop() == 0
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="needs two cores, one per engine")
+def test_cores_per_engine_gives_each_engine_cores_of_its_own(tiny_model_dir: Path,
+                                                             tmp_path: Path) -> None:
+    c = start_cluster(tmp_path, tiny_model_dir, prefill=1, decode=1,
+                      extra=["--cores-per-engine", "1"])
+    try:
+        cores = {}
+        for pid in child_pids(c.proc.pid):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+            mine = sorted(os.sched_getaffinity(pid))
+            cores[_flag(argv, "--engine-id") if "pdgate.engine_shim" in argv else
+                  "router" if "pdgate.router" in argv else str(pid)] = mine
+        assert cores["prefill-0"] == [0] and cores["decode-0"] == [1]
+        assert cores["router"] == sorted(os.sched_getaffinity(0))  # not confined
+        r = httpx.post(f"{c.router}/v1/completions", timeout=60, json={
+            "model": c.model, "prompt": "a core each", "max_tokens": 4})
+        assert r.status_code == 200, r.text
+    finally:
+        assert c.stop() == 0
+
+
+def test_more_cores_than_the_machine_has_are_refused() -> None:
+    done = subprocess.run([sys.executable, "-m", "pdgate.cli", "up", "--cores-per-engine",
+                           str((os.cpu_count() or 1) + 1)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert "--cores-per-engine" in done.stderr and "2 engines" in done.stderr
 
 
 def test_up_waits_until_the_router_counts_every_engine(tmp_path: Path) -> None:

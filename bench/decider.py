@@ -33,6 +33,11 @@ and D pools have their own GPUs (the router and the load generator still share t
     python bench/decider.py --up-arg=--prefill-engine-arg=--cpus=0 \
         --up-arg=--decode-engine-arg=--cpus=1
 
+or, with cores to spare, each engine its own (engine i on cores 2i..2i+1; the router and
+the load generator on the rest):
+
+    taskset -c 8-15 python bench/decider.py --up-arg=--cores-per-engine=2
+
 `--step-budget 2048` gives the engines vLLM's step budget (a step computes prompts first
 come first served while 2,048 tokens last): without it a shim step runs every waiting
 prompt, all finishing together, which no FIFO queue model predicts per request.

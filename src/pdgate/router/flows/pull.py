@@ -66,6 +66,9 @@ class PullFlow:
             if self.parts.pool.healthy("prefill") and not isinstance(exc, EngineUnavailable):
                 raise
             self.parts.metrics.count_fallback("no_prefill")
+            # A notify/push attempt may have named a P that then dropped the request:
+            # the headers and the access log name the engines that served it.
+            req.served_by.pop("prefill", None)
             log.warning("request %s: no healthy prefill engine (%s); decode engine computes "
                         "the prompt", req.request_id, exc.message)
             return None

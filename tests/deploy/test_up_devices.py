@@ -27,15 +27,23 @@ def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
+def _children(cluster_pid: int) -> dict[str, tuple[int, list[str]]]:
+    """`pdgate up`'s children by name (an engine's --engine-id, or "router"): pid, argv."""
+    found = {}
+    for pid in child_pids(cluster_pid):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        name = _flag(argv, "--engine-id") if "pdgate.engine_shim" in argv else \
+            "router" if "pdgate.router" in argv else str(pid)
+        found[name] = (pid, argv)
+    return found
+
+
 def test_engines_take_the_listed_devices_in_turn(tiny_model_dir: Path, tmp_path: Path) -> None:
     c = start_cluster(tmp_path, tiny_model_dir, prefill=1, decode=2,
                       extra=["--device", "cpu, cpu:0"])
     try:
-        devices = {}
-        for pid in child_pids(c.proc.pid):
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            if "pdgate.engine_shim" in argv:
-                devices[_flag(argv, "--engine-id")] = _flag(argv, "--device")
+        devices = {name: _flag(argv, "--device") for name, (_, argv)
+                   in _children(c.proc.pid).items() if "pdgate.engine_shim" in argv}
         assert devices == {"prefill-0": "cpu", "decode-0": "cpu:0", "decode-1": "cpu"}
         r = httpx.post(f"{c.router}/v1/completions", timeout=60, json={
             "model": c.model, "prompt": "one device each", "max_tokens": 4})
@@ -51,12 +59,8 @@ def test_cores_per_engine_gives_each_engine_cores_of_its_own(tiny_model_dir: Pat
     c = start_cluster(tmp_path, tiny_model_dir, prefill=1, decode=1,
                       extra=["--cores-per-engine", "1"])
     try:
-        cores = {}
-        for pid in child_pids(c.proc.pid):
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
-            mine = sorted(os.sched_getaffinity(pid))
-            cores[_flag(argv, "--engine-id") if "pdgate.engine_shim" in argv else
-                  "router" if "pdgate.router" in argv else str(pid)] = mine
+        cores = {name: sorted(os.sched_getaffinity(pid))
+                 for name, (pid, _) in _children(c.proc.pid).items()}
         assert cores["prefill-0"] == [0] and cores["decode-0"] == [1]
         assert cores["router"] == sorted(os.sched_getaffinity(0))  # not confined
         r = httpx.post(f"{c.router}/v1/completions", timeout=60, json={

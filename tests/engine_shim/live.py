@@ -59,11 +59,11 @@ class Shim:
 def start_shim(
     model_dir: Path, *, connector_factory: ConnectorFactory | None = None,
     kv_digests: bool = False, kv_load_failure_policy: str = "recompute",
-    settings: ServerSettings | None = None,
+    settings: ServerSettings | None = None, admission_timeout: float = ADMISSION_TIMEOUT,
 ) -> Shim:
     config = EngineConfig(model=str(model_dir), served_model_names=(MODEL,),
                           block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS, kv_digests=kv_digests,
-                          admission_timeout=ADMISSION_TIMEOUT,
+                          admission_timeout=admission_timeout,
                           kv_load_failure_policy=kv_load_failure_policy)
     engine = Engine.load(config, ShimMetrics.create())
     app = create_app(engine, connector_factory=connector_factory, settings=settings)

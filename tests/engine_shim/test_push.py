@@ -115,6 +115,26 @@ def test_prompt_expires_its_blocks_are_returned_and_a_late_registration_refused(
     _refusal(table.register(_reg()), "expired")  # at once, not after D's timeout
 
 
+def test_shed_gives_up_the_oldest_prompts_old_enough_until_the_need_is_met(
+        table: PendingPushes, clock: Clock) -> None:
+    """An admission starved by prompts nobody registered for (both pools full in push
+    mode): the oldest go first, only those held `min_age_s`, and no more than needed; a
+    registration for one of them is refused at once, so its D computes the prompt."""
+    table.offer("a", [1, 2], 6, None)
+    clock.now += 0.3
+    table.offer("b", [3, 4], 6, None)
+    table.offer("c", [5, 6], 6, None)
+    assert table.shed(4, min_age_s=0.5) == []  # none held 0.5 s yet
+    clock.now += 0.2
+    assert table.shed(3, min_age_s=0.5) == [("a", (1, 2))]  # b and c are 0.2 s old
+    clock.now += 0.3
+    assert table.shed(3, min_age_s=0.5) == [("b", (3, 4)), ("c", (5, 6))]
+    assert table.blocks == 0 and len(table) == 0
+    _refusal(table.register(_reg("a")), "expired")
+    _refusal(table.register(_reg("c")), "expired")
+    assert table.shed(1, min_age_s=0.0) == []  # nothing left to give up
+
+
 def test_registration_expires_into_a_refusal(table: PendingPushes, clock: Clock) -> None:
     table.register(_reg("a", "d-1"))
     clock.now += 1

@@ -393,6 +393,36 @@ def test_requests_wait_for_blocks_fifo_and_503_after_the_timeout(shim: Shim) -> 
     shim.wait_pool_full()
 
 
+def test_a_queued_request_whose_client_leaves_gives_up_its_place(tiny_model_dir: Path) -> None:
+    """A request waiting for blocks whose client goes away leaves the queue at once, not
+    when its turn or the admission timeout comes (60 s here): a router closes the legs of
+    a client that left, and dead legs ahead in the FIFO delayed live ones (push mode: tens
+    of seconds, tests/e2e/test_push_overload.py)."""
+    s = start_shim(tiny_model_dir, admission_timeout=60.0)
+
+    async def close(stream: Any) -> None:
+        stream.close()
+
+    try:
+        holder = s.call(s.engine.open(GenerateRequest(
+            request_id="holder", prompt_ids=tuple(range(10, 10 + 4 * (NUM_BLOCKS - 2))),
+            sampling=SamplingParams(temperature=0), max_tokens=1)))
+        try:
+            small = {"model": MODEL, "prompt": list(range(20, 32)), "max_tokens": 2}
+            with pytest.raises(httpx.ReadTimeout):  # queued (3 blocks, 2 free), then left
+                httpx.post(s.url + "/v1/completions", json=small,
+                           timeout=httpx.Timeout(60.0, read=1.0))
+            deadline = time.monotonic() + 30
+            while s.engine.num_waiting:
+                assert time.monotonic() < deadline, "still queued 30 s after its client left"
+                time.sleep(0.01)
+        finally:
+            s.call(close(holder))
+        s.wait_pool_full()
+    finally:
+        stop_shim(s)
+
+
 # ---- the engine core, driven directly ----
 
 

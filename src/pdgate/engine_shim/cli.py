@@ -231,6 +231,7 @@ def nixl_connector_factory(settings: ConnectorSettings) -> ConnectorFactory:
             handshake_timeout=settings.handshake_timeout,
             probe_timeout=settings.probe_timeout,
             agent_factory=nixl_agent_factory,
+            starved_need=engine.scheduler.starved_need,
         )
         return connector
 

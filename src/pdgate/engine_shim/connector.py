@@ -55,6 +55,9 @@ _BUSY_POLL_S = 0.0005   # transfers in flight: completion latency matters
 _LEASE_POLL_S = 0.002   # leases held: "done" notices free blocks; peers may need our progress
 _IDLE_POLL_S = 0.05     # nothing to do: stay cheap
 _LANDING_POLL_S = 0.001  # a request waits for a pushed WRITE's notice (can be a whole prefill)
+# A push prompt unregistered this long while an admission waited this long for blocks is
+# given up (PendingPushes.shed): a registration normally follows in milliseconds.
+_SHED_AFTER_S = 0.5
 # SideChannelServer results that are a peer's protocol error -> protocol_errors reason.
 _SIDE_CHANNEL_ERRORS = {"malformed_frames": "malformed", "malformed_request": "malformed",
                         "oversized": "oversized", "internal": "internal"}
@@ -76,6 +79,7 @@ class KVConnector:
         metrics: ShimMetrics, transfer_timeout: float = 30.0, handshake_timeout: float = 5.0,
         probe_timeout: float = 10.0, notify_secret: str | None = None,
         agent_factory: AgentFactory = nixl_agent_factory,
+        starved_need: Callable[[float], int] | None = None,
     ) -> None:
         self.engine_id = engine_id
         self.model_name = model_name
@@ -84,6 +88,9 @@ class KVConnector:
         self._host = side_channel_host
         self._port = side_channel_port
         self._free_blocks = free_blocks
+        # The engine's admission: blocks its first queued request still lacks after waiting
+        # the given seconds (Scheduler.starved_need); any thread.
+        self._starved_need = starved_need
         self._metrics = metrics
         self._probe_timeout = probe_timeout
         self._agent_factory = agent_factory
@@ -287,6 +294,10 @@ class KVConnector:
         in_flight = reader.poll()
         self._pull.expire()
         self._push.expire()
+        if self._starved_need is not None and self._push.pending:
+            need = self._starved_need(_SHED_AFTER_S)
+            if need:
+                self._push.shed(need, _SHED_AFTER_S)
         if in_flight or self._push.writing_blocks:
             return _BUSY_POLL_S
         if self._landings.awaiting():

@@ -136,6 +136,16 @@ class PushSide:
                         refusal.request_id, refusal.target.engine_id)
             self._refuse(refusal)
 
+    def shed(self, need_blocks: int, min_age_s: float) -> None:
+        """An admission has waited for blocks this engine holds for pushes nobody
+        registered yet: free the oldest such prompts (`PendingPushes.shed`)."""
+        for rid, blocks in self._pushes.shed(need_blocks, min_age_s):
+            log.warning("request %s: no push registration after %.1f s while a request waits "
+                        "for KV blocks; %d blocks freed (its decode engine will compute "
+                        "the prompt)", rid, min_age_s, len(blocks))
+            self._metrics.leases_expired.inc()
+            self._free_blocks(list(blocks))
+
     def shut_down(self) -> None:
         """Closing: free the waiting prompts' blocks and tell each registered D we have met
         already (its current agent) that no WRITE will come (best effort, no handshakes)."""

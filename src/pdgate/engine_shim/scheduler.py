@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -78,7 +79,8 @@ class Scheduler:
         self._prefix_ok: weakref.WeakSet[Sequence] = weakref.WeakSet()
         self._running: list[Sequence] = []
         self._preempted: list[Sequence] = []
-        self._waiting: deque[tuple[Sequence, asyncio.Future[None]]] = deque()
+        # Admissions queued for blocks, in arrival order, with when each began to wait.
+        self._waiting: deque[tuple[Sequence, asyncio.Future[None], float]] = deque()
         self._wake = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -96,7 +98,19 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         """Requests queued for KV blocks (not yet admitted)."""
-        return sum(1 for _, fut in self._waiting if not fut.done())
+        return sum(1 for _, fut, _ in self._waiting if not fut.done())
+
+    def starved_need(self, min_wait_s: float) -> int:
+        """Blocks the first queued admission still lacks once it has waited `min_wait_s`
+        (0 before, or with none queued). Reads only: safe from the connector's thread."""
+        try:
+            seq, fut, since = self._waiting[0]
+        except IndexError:
+            return 0
+        if fut.done() or time.monotonic() - since < min_wait_s:
+            return 0
+        need = self.blocks_for(len(seq.token_ids)) - len(seq.block_ids)
+        return max(0, need - self.pool.num_free)
 
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
@@ -124,7 +138,7 @@ class Scheduler:
             seq.queue.put_nowait(EngineStopped("engine is shutting down"))
         self._running.clear()
         self._preempted.clear()
-        for _, fut in self._waiting:
+        for _, fut, _ in self._waiting:
             if not fut.done():
                 fut.set_exception(EngineStopped("engine is shutting down"))
         self._waiting.clear()
@@ -142,7 +156,7 @@ class Scheduler:
     async def wait_for_blocks(self, seq: Sequence, timeout: float) -> bool:
         """Queue for the prompt's blocks (FIFO); False when `timeout` seconds pass first."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.append((seq, fut))
+        self._waiting.append((seq, fut, time.monotonic()))
         self._wake.set()
         try:
             await asyncio.wait_for(asyncio.shield(fut), timeout)
@@ -260,7 +274,7 @@ class Scheduler:
     def _admit_waiting(self) -> None:
         """Hand prompt blocks to waiting requests in arrival order (after preempted ones)."""
         while self._waiting and not self._preempted:
-            seq, fut = self._waiting[0]
+            seq, fut, _ = self._waiting[0]
             if not fut.done():
                 if not self._grow(seq):
                     return

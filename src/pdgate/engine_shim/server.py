@@ -209,7 +209,9 @@ async def _serve(
 ) -> Response:
     """Validate the rest of the request, admit it, and answer as JSON or SSE."""
     gen, model = _generate_request(engine, request, req, prompt_ids, chat=chat)
-    stream = await engine.open(gen)
+    stream = await _admit_unless_disconnected(request, engine, gen)
+    if stream is None:  # the client left while the request queued for KV blocks
+        return Response(status_code=499)
     # What the request waits behind before its first read starts the work (a decode's KV
     # transfer): the SSE status and headers are sent first; a JSON answer's collector task.
     stream.waits_for = "response_head" if req.stream else "collector_task"
@@ -315,6 +317,31 @@ async def _collect_unless_disconnected(
         else:
             gone = False
     return None if gone or work.cancelled() else work.result()
+
+
+async def _admit_unless_disconnected(request: Request, engine: Engine,
+                                     gen: GenerateRequest) -> RequestStream | None:
+    """`engine.open(gen)`, or None when the client goes away while the request queues for
+    KV blocks: a request nobody will read gives up its place (FIFO) at once. A router
+    whose client left closes its legs; without this each dead leg still took its blocks
+    when its turn came (a push-mode D then held them for its push grace), and under a
+    burst of abandoned requests the live ones queued behind them for tens of seconds."""
+    admit = asyncio.ensure_future(engine.open(gen))
+    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({admit, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if admit.done():
+        return admit.result()
+    admit.cancel()  # Engine.open frees what it took and counts the request as abandoned
+    try:
+        late = await admit
+    except asyncio.CancelledError:
+        return None
+    # The blocks came as the cancel did, and asyncio.wait_for kept the result: free them.
+    late.close()
+    return None
 
 
 async def _wait_disconnect(receive: Receive) -> None:

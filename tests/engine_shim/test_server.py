@@ -385,6 +385,9 @@ def test_requests_wait_for_blocks_fifo_and_503_after_the_timeout(shim: Shim) -> 
         while shim.engine.num_waiting == 0:
             assert time.monotonic() < deadline, "the request never queued"
             time.sleep(0.005)
+        # What a push-mode P sheds for (engine_shim/push.py): 3 blocks wanted, 2 free.
+        assert shim.engine.scheduler.starved_need(0.0) == 1
+        assert shim.engine.scheduler.starved_need(3600.0) == 0  # not waited that long
     finally:
         shim.call(close(holder))
     client.join(timeout=30)

@@ -102,13 +102,16 @@ class Scheduler:
 
     def starved_need(self, min_wait_s: float) -> int:
         """Blocks the first queued admission still lacks once it has waited `min_wait_s`
-        (0 before, or with none queued). Reads only: safe from the connector's thread."""
+        (0 before, or with none queued). Reads only: safe from the connector's thread.
+        Cancelled waiters the loop has not dropped yet are skipped."""
         try:
-            seq, fut, since = self._waiting[0]
-        except IndexError:
+            head = next(((seq, since) for seq, fut, since in self._waiting if not fut.done()),
+                        None)
+        except RuntimeError:  # the loop changed the queue meanwhile: the next tick asks again
             return 0
-        if fut.done() or time.monotonic() - since < min_wait_s:
+        if head is None or time.monotonic() - head[1] < min_wait_s:
             return 0
+        seq = head[0]
         need = self.blocks_for(len(seq.token_ids)) - len(seq.block_ids)
         return max(0, need - self.pool.num_free)
 

@@ -126,10 +126,12 @@ def test_shed_gives_up_the_oldest_prompts_old_enough_until_the_need_is_met(
     table.offer("c", [5, 6], 6, None)
     assert table.shed(4, min_age_s=0.5) == []  # none held 0.5 s yet
     clock.now += 0.2
+    assert table.shed(4, min_age_s=0.5) == []  # no D holds blocks for a prompt of ours
+    table.register(_reg("q", "d-2"))  # now a D waits for a prompt not computed yet
     assert table.shed(3, min_age_s=0.5) == [("a", (1, 2))]  # b and c are 0.2 s old
     clock.now += 0.3
     assert table.shed(3, min_age_s=0.5) == [("b", (3, 4)), ("c", (5, 6))]
-    assert table.blocks == 0 and len(table) == 0
+    assert table.blocks == 0 and len(table) == 1  # q's registration stays
     _refusal(table.register(_reg("a")), "expired")
     _refusal(table.register(_reg("c")), "expired")
     assert table.shed(1, min_age_s=0.0) == []  # nothing left to give up

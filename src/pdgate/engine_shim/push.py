@@ -262,18 +262,21 @@ class PendingPushes:
 
     def shed(self, need_blocks: int, min_age_s: float) -> list[tuple[str, tuple[int, ...]]]:
         """Give up the oldest prompts that have waited `min_age_s` for a registration, until
-        they hold `need_blocks` (the caller frees them). Their ids close as "expired", so
-        a registration that comes later is refused at once and its D computes the prompt.
+        they hold `need_blocks` (the caller frees them), when a registration waits for a
+        prompt not computed yet. Their ids close as "expired", so a registration that
+        comes later is refused at once and its D computes the prompt.
 
         Why: both legs of a push start together, and each engine admits in its own order.
         With both pools full, D's blocks can all be registered for prompts P has not
         computed, while P's are all held by computed prompts whose D legs wait for D's
         blocks: each waits for the other until the TTL (P's --kv-lease-seconds, D's push
-        deadline). A prompt given up here costs its D one prefill; the wait cost them all."""
+        deadline). A prompt given up here costs its D one prefill; the wait cost them all.
+        With no registration waiting, no D holds blocks for P's queue: D is only slow, and
+        P waits for it rather than hand it prompts to compute again."""
         oldest_offer = self._clock() + self._ttl - min_age_s  # offered at expires_at - ttl
         shed: list[tuple[str, tuple[int, ...]]] = []
         with self._lock:
-            while need_blocks > 0 and self._blocks:
+            while need_blocks > 0 and self._blocks and self._regs:
                 rid, held = next(iter(self._blocks.items()))
                 if held.expires_at > oldest_offer:
                     break

@@ -360,14 +360,22 @@ def test_pool_returns_to_full_after_finished_failed_and_abandoned_requests(shim:
     assert shim.metric("pdgate_shim_kv_blocks_leased") == 0
 
 
-def test_requests_wait_for_blocks_fifo_and_503_after_the_timeout(shim: Shim) -> None:
-    async def close(stream: Any) -> None:
-        stream.close()
-
-    # An admitted request that has not started holds all but 2 blocks.
-    holder = shim.call(shim.engine.open(GenerateRequest(
+def _hold_all_but_two_blocks(shim: Shim) -> Any:
+    """An admitted request that has not started, holding all but 2 of the pool's blocks."""
+    return shim.call(shim.engine.open(GenerateRequest(
         request_id="holder", prompt_ids=tuple(range(10, 10 + 4 * (NUM_BLOCKS - 2))),
         sampling=SamplingParams(temperature=0), max_tokens=1)))
+
+
+def _release(shim: Shim, holder: Any) -> None:
+    async def close() -> None:
+        holder.close()
+
+    shim.call(close())
+
+
+def test_requests_wait_for_blocks_fifo_and_503_after_the_timeout(shim: Shim) -> None:
+    holder = _hold_all_but_two_blocks(shim)
     small = {"model": MODEL, "prompt": list(range(20, 32)), "max_tokens": 2}  # 3 blocks
     try:
         r = shim.post("/v1/completions", small)
@@ -389,7 +397,7 @@ def test_requests_wait_for_blocks_fifo_and_503_after_the_timeout(shim: Shim) -> 
         assert shim.engine.scheduler.starved_need(0.0) == 1
         assert shim.engine.scheduler.starved_need(3600.0) == 0  # not waited that long
     finally:
-        shim.call(close(holder))
+        _release(shim, holder)
     client.join(timeout=30)
     assert waiting[0].status_code == 200, waiting[0].text
     assert waiting[0].json()["usage"]["completion_tokens"] == 2
@@ -402,14 +410,8 @@ def test_a_queued_request_whose_client_leaves_gives_up_its_place(tiny_model_dir:
     a client that left, and dead legs ahead in the FIFO delayed live ones (push mode: tens
     of seconds, tests/e2e/test_push_overload.py)."""
     s = start_shim(tiny_model_dir, admission_timeout=60.0)
-
-    async def close(stream: Any) -> None:
-        stream.close()
-
     try:
-        holder = s.call(s.engine.open(GenerateRequest(
-            request_id="holder", prompt_ids=tuple(range(10, 10 + 4 * (NUM_BLOCKS - 2))),
-            sampling=SamplingParams(temperature=0), max_tokens=1)))
+        holder = _hold_all_but_two_blocks(s)
         try:
             small = {"model": MODEL, "prompt": list(range(20, 32)), "max_tokens": 2}
             with pytest.raises(httpx.ReadTimeout):  # queued (3 blocks, 2 free), then left
@@ -420,7 +422,7 @@ def test_a_queued_request_whose_client_leaves_gives_up_its_place(tiny_model_dir:
                 assert time.monotonic() < deadline, "still queued 30 s after its client left"
                 time.sleep(0.01)
         finally:
-            s.call(close(holder))
+            _release(s, holder)
         s.wait_pool_full()
     finally:
         stop_shim(s)

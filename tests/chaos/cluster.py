@@ -16,7 +16,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -216,6 +219,43 @@ def start_router(engines: list[Engine], port: int, model_dir: Path, mode: str, *
         cluster.stop()
         raise
     return cluster
+
+
+@contextmanager
+def paced(engine: Engine, run_s: float = 0.005, stop_s: float = 0.015) -> Iterator[None]:
+    """Let `engine` run `run_s` of every `run_s + stop_s` seconds (SIGSTOP/SIGCONT) while
+    the block runs: a slow decode engine. The kill tests fire their kill from a client that
+    reads behind the router, or from a poll of the engine's counters; on a loaded 2-core
+    machine the tiny model at full speed could finish every stream the kill was meant to
+    cut before it landed (CI at 3e8f182: "no migration was counted" in two tests). A kill
+    during a stopped interval ends the pacing; the signals go through a pidfd, never to a
+    reused PID."""
+    assert engine.proc is not None
+    pidfd = os.pidfd_open(engine.proc.pid)
+    done = threading.Event()
+
+    def pace() -> None:
+        try:
+            while not done.is_set():
+                signal.pidfd_send_signal(pidfd, signal.SIGSTOP)
+                done.wait(stop_s)
+                signal.pidfd_send_signal(pidfd, signal.SIGCONT)
+                done.wait(run_s)
+        except ProcessLookupError:  # killed: nothing left to pace
+            pass
+
+    thread = threading.Thread(target=pace, name=f"pace-{engine.name}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        os.close(pidfd)
 
 
 def restart_down(engines: list[Engine]) -> None:

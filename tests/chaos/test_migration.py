@@ -29,6 +29,7 @@ from pdgate.engine_shim.tiny import TINY_MODEL_NAME
 from tests.chaos.cluster import (
     ChaosCluster,
     Engine,
+    paced,
     restart_down,
     start_engines,
     start_router,
@@ -237,7 +238,8 @@ def _scenario(cluster: ChaosCluster, reference: dict[str, tuple[str, int, int]],
     victim, survivor = cluster.by_role("decode")
     t0 = time.monotonic()
     kill_at = {p: KILL_AT[mode](events) for p, (_, _, events) in reference.items()}
-    seen, killed = asyncio.run(_run(cluster.url, victim, kill_at))
+    with paced(victim):
+        seen, killed = asyncio.run(_run(cluster.url, victim, kill_at))
     took = time.monotonic() - t0
     assert killed, "no stream was served by the victim"
     cut = [s for s in seen if s.decode == victim.url]
@@ -344,7 +346,9 @@ def test_decode_killed_mid_generation_of_non_streaming_requests(
     victim, survivor = cluster.by_role("decode")
     try:
         t0 = time.monotonic()
-        seen, at = asyncio.run(_run_answers(cluster.url, victim, NONSTREAM_KILL_AFTER[mode]))
+        with paced(victim):
+            seen, at = asyncio.run(_run_answers(cluster.url, victim,
+                                                NONSTREAM_KILL_AFTER[mode]))
         took = time.monotonic() - t0
         kv = metric(cluster.url, "pdgate_migrations_total", f'mode="{mode}",result="kv"')
         retries = metric(cluster.url, "pdgate_retries_total", 'role="decode"')

@@ -30,6 +30,7 @@ import pytest
 from pdgate.engine_shim.tiny import TINY_MODEL_NAME
 from tests.chaos.cluster import (
     Engine,
+    paced,
     restart_down,
     start_engines,
     start_router,
@@ -197,7 +198,8 @@ def test_stop_strings_of_migrated_streams(mode: str, kind: str,
     cluster = start_router(started, port, tiny_model_dir, mode)
     victim = decode[0]
     try:
-        seen, killed = asyncio.run(_run(cluster.url, stops, victim))
+        with paced(victim):
+            seen, killed = asyncio.run(_run(cluster.url, stops, victim))
         assert killed, "no stream was served by the victim"
         router_log = log.read_bytes()[log_from:].decode(errors="replace")
         kv = metric(cluster.url, "pdgate_migrations_total", f'mode="{mode}",result="kv"')

@@ -23,6 +23,9 @@ taking the mode its bucket does not hold, predicted cheaper by more than the mar
 how close its predictions were: the share of requests whose measured TTFT (from the
 decision) was within +-25 % of the predicted one, and the median measured / predicted ratio
 (`pdgate_decider_prediction_ratio`); `--json` splits them by choice (D alone, P then D).
+Beside it, `bound`: the share an exact-wait predictor reaches on the same requests, one that
+knows each request's wait and transfer and takes only its service time as the engine's median
+(bench/prediction_bound.py): what the engines' own variation leaves to any prediction.
 
     python bench/decider.py [--burst 48] [--mixed 48] [--device cuda] [--json]
 
@@ -62,6 +65,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.e2e import _free_base, launch, one, prompt, stop  # noqa: E402
+from bench.prediction_bound import access_lines, shares  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DECIDERS = ("static", "measured-cost")
@@ -162,6 +166,19 @@ async def phase(url: str, jobs: list[tuple[str, int]], concurrency: int,
             "seconds": wall}
 
 
+def phase_lines(log: Path, offset: int, requests: int) -> list[dict[str, Any]]:
+    """The phase's access lines from the router's log (from `offset`), once all `requests`
+    are there: the router writes a line after the answer's last byte (5 s at most)."""
+    deadline = time.monotonic() + 5.0
+    while True:
+        with log.open("rb") as f:
+            f.seek(offset)
+            lines = access_lines(f.read().decode(errors="replace").splitlines())
+        if len(lines) >= requests or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
+
+
 def workload(args: argparse.Namespace
              ) -> dict[str, tuple[list[tuple[str, int]], int, float]]:
     burst = [(prompt(i, args.long_tokens), 4) for i in range(args.burst)]
@@ -181,13 +198,15 @@ def workload(args: argparse.Namespace
 def run_one(decider: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     proc, url = start(decider, tmp, args.device, args.up_arg, json.loads(args.params))
     figures: dict[str, Any] = {}
+    log = tmp / decider / "router.log"
     try:
         asyncio.run(phase(url, [(prompt(90_000 + i, args.long_tokens), 4)
                                 for i in range(4)], 1))  # warm-up: KV links, first rates
         for name, (jobs, conc, rate) in workload(args).items():
-            before = scrape(url)
+            before, log_from = scrape(url), log.stat().st_size
             f = asyncio.run(phase(url, jobs, conc, rate))
             after = scrape(url)
+            f["bound"] = shares(phase_lines(log, log_from, len(jobs)))
             switches = sum(delta(after, before, "pdgate_decider_switches_total").values())
             f["decisions"] = delta(after, before, "pdgate_disagg_decisions_total")
             f["switches_per_s"] = switches / f["seconds"]
@@ -212,13 +231,15 @@ def run_one(decider: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
 
 def table(figures: dict[str, Any]) -> str:
     head = (f"{'phase':<6} {'decider':<14} {'TTFT p50':>9} {'TTFT p90':>9} {'lat p90':>9} "
-            f"{'gap p90':>8} {'req/s':>7} {'switch/s':>9} {'over/s':>7} {'pred +-25%':>10}  "
+            f"{'gap p90':>8} {'req/s':>7} {'switch/s':>9} {'over/s':>7} {'pred +-25%':>10} "
+            f"{'bound':>6}  "
             "decisions")
     rows = [head, "-" * len(head)]
     for phase_name in ("burst", "mixed"):
         for decider in figures:
             f = figures[decider][phase_name]
             within = f["prediction"]["within_25pct"]
+            bound = f["bound"]["bound_within_25pct"]
             decisions = ", ".join(f"{k.split('=')[-1].strip(chr(34))} {int(v)}"
                                   for k, v in sorted(f["decisions"].items()))
             rows.append(f"{phase_name:<6} {decider:<14} {f['ttft_p50_ms']:>9.1f} "
@@ -226,7 +247,8 @@ def table(figures: dict[str, Any]) -> str:
                         f"{f['gap_p90_ms']:>8.1f} {f['req_per_s']:>7.1f} "
                         f"{f['switches_per_s']:>9.2f} "
                         f"{f['overrides_per_s']:>7.2f} "
-                        f"{'-' if within is None else f'{100 * within:.0f} %':>10}  "
+                        f"{'-' if within is None else f'{100 * within:.0f} %':>10} "
+                        f"{'-' if bound is None else f'{100 * bound:.0f} %':>6}  "
                         f"{decisions}")
     return "\n".join(rows)
 
@@ -263,8 +285,7 @@ def main() -> int:
                    help="copy each cluster's logs (JSON lines: the router's access log has "
                         "each request's decision, predicted and measured TTFT) into DIR")
     args = p.parse_args()
-    if args.keep_logs:
-        args.up_arg = [*args.up_arg, "--log-format=json"]
+    args.up_arg = [*args.up_arg, "--log-format=json"]  # the access lines `bound` reads
     if args.step_budget:
         args.up_arg = [*args.up_arg, f"--engine-arg=--max-num-batched-tokens={args.step_budget}"]
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")

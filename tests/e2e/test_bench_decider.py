@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 
@@ -38,3 +40,37 @@ def test_decider_bench_compares_both_deciders() -> None:
     # Only the measured-cost decider predicts; each of its requests is observed.
     assert figures["static"]["burst"]["prediction"]["observed"] == 0
     assert figures["measured-cost"]["burst"]["prediction"]["observed"] == 8
+    # The exact-wait bound is read from each phase's own access lines.
+    for decider in ("static", "measured-cost"):
+        for phase in ("burst", "mixed"):
+            bound = figures[decider][phase]["bound"]
+            assert bound["requests"] == 8 and 0 <= bound["bound_within_25pct"] <= 1
+    assert figures["static"]["mixed"]["bound"]["predicted"] == 0
+    assert figures["measured-cost"]["mixed"]["bound"]["predicted"] == 8
+
+
+def _access(t0: datetime, arrival_s: float, ttft_s: float, predicted_s: float) -> str:
+    duration = ttft_s + 0.01
+    ts = (t0 + timedelta(seconds=arrival_s + duration)).strftime("%Y-%m-%dT%H:%M:%S.%f")
+    return json.dumps({
+        "ts": ts[:-3] + "Z", "access": True, "status": 200, "duration_s": duration,
+        "mode": "direct", "ttft_s": ttft_s, "prefill_s": None, "prompt_tokens": 1500,
+        "predicted_ttft_s": predicted_s, "prefill_engine": None,
+        "decode_engine": "http://127.0.0.1:9"})
+
+
+def test_prediction_bound_takes_each_service_as_the_engines_median(tmp_path: Path) -> None:
+    """Four prompts sent together to one engine, served first come first served in 0.1,
+    0.3, 0.1 and 0.1 s: an exact-wait predictor (median service 0.1 s) misses only the
+    slow one (0.4 s for 0.2 s), 3 of 4; the decider's logged predictions hit 2 of 4."""
+    t0 = datetime(2026, 11, 29, tzinfo=UTC)
+    firsts = [0.1, 0.4, 0.5, 0.6]
+    predicted = [0.2, 0.1, 0.5, 0.6]
+    log = tmp_path / "router.log"
+    log.write_text("not json\n" + "\n".join(_access(t0, 0.0, f, p)
+                                            for f, p in zip(firsts, predicted, strict=True)))
+    done = subprocess.run([sys.executable, "bench/prediction_bound.py", str(log)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "exact-wait bound 75 %, decider 50 % within +-25 % (4 requests, 4 predicted)" \
+        in done.stdout, done.stdout

@@ -24,7 +24,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.cluster import start_cluster, wait_pools_full
+from pdgate.contract.kv_contract import PushDecodeParams, PushPrefillParams
+from pdgate.router.flows.bodies import decode_leg_body, prefill_leg_body, remote_prefill
+from tests.e2e.cluster import metric, start_cluster, wait_pools_full
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +71,75 @@ def test_full_pools_in_push_mode_serve_every_request_without_waiting_out_a_timeo
         assert [s for s, _ in answers] == [200] * REQUESTS
         assert all(n == 100 for _, n in answers), answers  # every token generated
         assert took < BOUND_S, f"{REQUESTS} streams took {took:.0f} s: a timeout was waited out"
+        shed = metric(c.prefill[0], "pdgate_shim_kv_pushes_shed_total")
+        print(f"\nPUSH OVERLOAD {REQUESTS} streams in {took:.1f} s, {shed:.0f} prompts shed")
         wait_pools_full(c)  # and nothing is left held
+    finally:
+        c.stop()
+
+
+def _ids(seed: int) -> list[int]:
+    """A 300-token prompt as token ids: 19 blocks of 16 on P."""
+    return [10 + (seed * 31 + k * 7) % 200 for k in range(300)]
+
+
+def test_a_prompt_nobody_registered_for_is_shed_when_a_registered_one_waits_for_blocks(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The circular wait, set up leg by leg on the engines themselves (1P1D, 32 blocks
+    each: P holds one 300-token prompt at a time): P computes prompt A, whose D leg has not
+    come; D registers its blocks for prompt B, whose P leg then waits for the blocks A holds.
+    P gives A up (counted), computes B and writes it into D, which answers B; A's D leg,
+    coming last, is refused by P at once and D computes A itself. Both answers equal the
+    engine's own, and every block comes back."""
+    c = start_cluster(tmp_path, tiny_model_dir, block_size=16, extra=[
+        "--pd-mode", "push", "--num-blocks", "32",
+        "--engine-arg=--kv-lease-seconds=600", "--engine-arg=--kv-transfer-timeout=600"])
+    p_url, d_url = c.prefill[0], c.decode[0]
+    a, b = _ids(1), _ids(2)
+
+    def body(ids: list[int]) -> dict[str, object]:
+        return {"model": c.model, "prompt": ids, "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True}
+
+    async def run() -> tuple[dict[str, str], dict[str, str], float]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            alone = {name: (await client.post(d_url + "/v1/completions", json=body(ids))
+                            ).json()["choices"][0]["text"] for name, ids in (("a", a), ("b", b))}
+            info = (await client.get(p_url + "/v1/kv/info")).json()
+
+            async def leg(url: str, rid: str, raw: bytes) -> httpx.Response:
+                return await client.post(url + "/v1/completions", content=raw, headers={
+                    "X-Request-Id": rid, "Content-Type": "application/json"})
+
+            def d_leg(rid: str, ids: list[int]) -> bytes:
+                return decode_leg_body(body(ids), remote_prefill(PushDecodeParams(
+                    remote_engine_id=info["engine_id"], remote_host=info["host"],
+                    remote_port=info["port"], remote_agent_name=info["agent_name"],
+                    num_tokens=len(ids), push_deadline=time.time() + 120).to_params()))
+
+            def p_leg(ids: list[int]) -> bytes:
+                return prefill_leg_body(body(ids),
+                                        PushPrefillParams(num_tokens=len(ids)).to_params())
+
+            r = await leg(p_url, "shed-a", p_leg(a))  # A computed, held for a D leg
+            assert r.status_code == 200, r.text
+            d_b = asyncio.create_task(leg(d_url, "shed-b", d_leg("shed-b", b)))
+            await asyncio.sleep(0.5)  # D's registration for B is at P
+            t0 = time.monotonic()
+            r = await leg(p_url, "shed-b", p_leg(b))  # waits for A's blocks
+            assert r.status_code == 200, r.text
+            took = time.monotonic() - t0
+            got = {"b": (await d_b).json()["choices"][0]["text"]}
+            r = await leg(d_url, "shed-a", d_leg("shed-a", a))
+            assert r.status_code == 200, r.text
+            got["a"] = r.json()["choices"][0]["text"]
+            return alone, got, took
+
+    try:
+        alone, got, took = asyncio.run(run())
+        assert got == alone
+        assert took < 30, f"B's prefill waited {took:.0f} s for A's blocks"
+        assert metric(p_url, "pdgate_shim_kv_pushes_shed_total") == 1
+        wait_pools_full(c)
     finally:
         c.stop()

@@ -143,7 +143,7 @@ class PushSide:
             log.warning("request %s: no push registration after %.1f s while a request waits "
                         "for KV blocks; %d blocks freed (its decode engine will compute "
                         "the prompt)", rid, min_age_s, len(blocks))
-            self._metrics.leases_expired.inc()
+            self._metrics.pushes_shed.inc()
             self._free_blocks(list(blocks))
 
     def shut_down(self) -> None:

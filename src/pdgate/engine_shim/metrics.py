@@ -92,6 +92,7 @@ class ShimMetrics:
     handshakes: Counter
     leases_expired: Counter
     leases_released: Counter
+    pushes_shed: Counter
     prefix_cache_queries: Counter
     prefix_cache_hits: Counter
     blocks_cached: Gauge
@@ -179,6 +180,11 @@ class ShimMetrics:
             ),
             leases_expired=Counter(
                 _P + "kv_leases_expired", "Pinned blocks freed by lease expiry", registry=reg
+            ),
+            pushes_shed=Counter(
+                _P + "kv_pushes_shed", "Computed push prompts freed before any decode engine "
+                "registered for them, for a request waiting for blocks (push mode's circular "
+                "wait; their decode engines compute them)", registry=reg,
             ),
             leases_released=Counter(
                 _P + "kv_leases_released", "Pinned blocks freed by the reader's notice",

@@ -100,6 +100,12 @@ async def test_only_prefill_engine_dropping_the_connection_runs_decode_only(
     assert _text(resp.text, False) == "Hello world!"
     assert router.metric("pdgate_fallbacks_total", {"reason": "no_prefill"}) == 1
     assert d.decodes[-1].body.get("kv_transfer_params") is None  # D computed the prompt
+    # P was asked by the notify/push attempt only (twice: the engine client sends a
+    # request again once when a reused connection closes before any byte), and D alone
+    # followed without the pull flow asking P again (a host gone dark would cost another
+    # connect timeout).
+    modes = [r.body["kv_transfer_params"].get("pdgate_mode") for r in p.prefills]
+    assert modes and set(modes) == {mode}, modes
     # The headers name the engines that served it: D alone, not the P that dropped it.
     assert "x-pdgate-prefill-engine" not in resp.headers, resp.headers
     assert resp.headers["x-pdgate-decode-engine"].startswith(d.url)

@@ -49,6 +49,8 @@ class Flow(Protocol):
         ...
 
 
-Fallback = Callable[[ClientRequest, float], Awaitable[bytes | StreamResult]]
+Fallback = Callable[[ClientRequest, float, bool], Awaitable[bytes | StreamResult]]
 """How a notify/push flow serves a request its mode cannot run here: the pull flow's
-`run(req, t0)` (which serves it on a decode engine alone when no prefill engine is up)."""
+`fallback(req, t0, decode_alone)`: its `run` (which serves the request on a decode engine
+alone when no prefill engine is up), or with `decode_alone` a decode engine at once (every
+prefill engine was unreachable for this request: the pull flow would only ask them again)."""

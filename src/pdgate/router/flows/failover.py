@@ -178,7 +178,12 @@ def _adapter_gone(req: ClientRequest, failure: LegFailure) -> bool:
 
 
 class PullInstead(Exception):  # noqa: N818 -- a signal, not an error
-    """This request cannot run in the notify/push flow here; the pull flow serves it."""
+    """This request cannot run in the notify/push flow here; the pull flow serves it, or
+    with `decode_alone` (every prefill engine unreachable for it) a decode engine alone."""
+
+    def __init__(self, *, decode_alone: bool = False) -> None:
+        super().__init__()
+        self.decode_alone = decode_alone
 
 
 async def choose_prefill(pool: EndpointPool, selector: Selector, ctx: PickContext,
@@ -199,23 +204,23 @@ async def choose_prefill(pool: EndpointPool, selector: Selector, ctx: PickContex
     except NoEndpointAvailable:
         down = {ep.key for ep in ex.unreachable_prefill}
         if all(ep.key in down for ep in pool.healthy("prefill")):
-            raise PullInstead from None
+            raise PullInstead(decode_alone=True) from None
         raise
 
 
 async def run_or_pull(
     req: ClientRequest, run: Callable[[ClientRequest, Exclusions], Awaitable[T]],
-    parts: FlowParts, pull: Callable[[ClientRequest], Awaitable[T]],
+    parts: FlowParts, pull: Callable[[ClientRequest, bool], Awaitable[T]],
 ) -> T:
-    """A notify/push flow's `run`: `with_failover`, or `pull(req)` (the pull flow) when no
-    prefill engine is healthy or an attempt raised `PullInstead`."""
+    """A notify/push flow's `run`: `with_failover`, or `pull(req, decode_alone)` (the pull
+    flow's fallback) when no prefill engine is healthy or an attempt raised `PullInstead`."""
     if not parts.pool.healthy("prefill"):
-        return await pull(req)
+        return await pull(req, False)
     try:
         return await with_failover(req, run, max_retries=parts.max_retries,
                                    retry_backoff_s=parts.retry_backoff_s, metrics=parts.metrics)
-    except PullInstead:
-        return await pull(req)
+    except PullInstead as instead:
+        return await pull(req, instead.decode_alone)
 
 
 async def run_leg(

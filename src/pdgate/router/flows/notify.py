@@ -87,7 +87,7 @@ class NotifyFlow:
         """Serve `req`; when D cannot reserve or no prefill engine is healthy, `fallback`
         (the pull flow, which serves it on a decode engine alone if need be) does."""
         return await run_or_pull(req, lambda r, ex: self._attempt(r, ex, t0), self.parts,
-                                 lambda r: self.fallback(r, t0))
+                                 lambda r, alone: self.fallback(r, t0, alone))
 
     async def _attempt(self, req: ClientRequest, ex: Exclusions,
                        t0: float) -> bytes | StreamResult:

@@ -55,6 +55,17 @@ class PullFlow:
         """Serve a request the decider kept on one engine: the decode engine alone."""
         return await self.decode.serve(req, None, t0, "direct")
 
+    async def fallback(self, req: ClientRequest, t0: float,
+                       decode_alone: bool) -> bytes | StreamResult:
+        """Serve a request the notify/push flow handed over (`base.Fallback`): as `run`
+        does, or on a decode engine alone, counted, when every prefill engine was
+        unreachable for it (asked again, a P killed a moment ago refuses once more; a
+        host gone dark costs another connect timeout)."""
+        if not decode_alone:
+            return await self.run(req, t0)
+        self._without_prefill(req, "every prefill engine unreachable for this request")
+        return await self.decode.serve(req, None, t0, "direct")
+
     async def prefill_or_fallback(self, req: ClientRequest) -> PrefillOutcome | None:
         """`run_prefill`, or None (decode-only, counted) when no prefill engine is healthy or
         every one tried could not be reached: a P/D router must keep serving on its decode
@@ -65,13 +76,17 @@ class PullFlow:
         except (NoEndpointAvailable, EngineUnavailable) as exc:
             if self.parts.pool.healthy("prefill") and not isinstance(exc, EngineUnavailable):
                 raise
-            self.parts.metrics.count_fallback("no_prefill")
-            # A notify/push attempt may have named a P that then dropped the request:
-            # the headers and the access log name the engines that served it.
-            req.served_by.pop("prefill", None)
-            log.warning("request %s: no healthy prefill engine (%s); decode engine computes "
-                        "the prompt", req.request_id, exc.message)
+            self._without_prefill(req, exc.message)
             return None
+
+    def _without_prefill(self, req: ClientRequest, why: str) -> None:
+        """Count and log a disaggregated request going to a decode engine alone."""
+        self.parts.metrics.count_fallback("no_prefill")
+        # A notify/push attempt may have named a P that then dropped the request: the
+        # headers and the access log name the engines that served it.
+        req.served_by.pop("prefill", None)
+        log.warning("request %s: no healthy prefill engine (%s); decode engine computes the "
+                    "prompt", req.request_id, why)
 
     async def run_prefill(self, req: ClientRequest) -> PrefillOutcome:
         """P leg: send the one-token prefill and read P's KV params and usage."""

@@ -95,7 +95,7 @@ class PushFlow:
         """Serve `req`; when P cannot push or no prefill engine is healthy, `fallback`
         (the pull flow, which serves it on a decode engine alone if need be) does."""
         return await run_or_pull(req, lambda r, ex: self._attempt(r, ex, t0), self.parts,
-                                 lambda r: self.fallback(r, t0))
+                                 lambda r, alone: self.fallback(r, t0, alone))
 
     def _watch(self, req: ClientRequest, leg: PrefillLeg, p_ep: Endpoint, d_ep: Endpoint,
                *, vllm: bool = False, sent: VllmIdentity | None = None) -> _Watch:

@@ -70,6 +70,6 @@ async def open_flows(
         return pull, pull
     if config.pd_mode == "push":
         return pull, PushFlow(parts, metrics, KVInfoCache(parts.engines), pull.decode,
-                              pull.run, early=early, kv_wait_s=config.kv_ready_timeout_s)
+                              pull.fallback, early=early, kv_wait_s=config.kv_ready_timeout_s)
     return pull, NotifyFlow(parts, await shared.proxy(), metrics, config.kv_ready_timeout_s,
-                            pull.run, early=early)
+                            pull.fallback, early=early)

@@ -29,6 +29,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pdgate.up_checks import is_tiny, refusal
 from pdgate.up_models import ModelPlan, plan_models, write_router_config
 
 DEMO_PROMPT = "The quick brown fox"
@@ -282,16 +283,6 @@ def _served_name(args: argparse.Namespace) -> str:
     return Path(args.model).name
 
 
-def _is_tiny(model_dir: Path) -> bool:
-    """Whether `model_dir` holds the built-in tiny model (its config is the tiny one)."""
-    from pdgate.engine_shim.tiny import TINY_CONFIG
-
-    try:
-        return bool(json.loads((model_dir / "config.json").read_text()) == TINY_CONFIG)
-    except (OSError, ValueError):
-        return False
-
-
 def _resolve_model(args: argparse.Namespace) -> str:
     if args.model != "tiny":
         return str(Path(args.model).resolve())
@@ -370,7 +361,7 @@ def run_demo(args: argparse.Namespace, router_url: str, plan: ModelPlan,
     text = choices[0].get("text", "") if isinstance(choices, list) else ""
     print(f"\nmodel           : {plan.name}\nsample request  : {DEMO_PROMPT!r}\n"
           f"answer          : {text!r}")
-    if args.model == "tiny" or _is_tiny(Path(args.model)):
+    if args.model == "tiny" or is_tiny(Path(args.model)):
         print(RANDOM_WEIGHTS_NOTE)
     print(f"prefill engine  : {headers.get('x-pdgate-prefill-engine', '-')}")
     print(f"decode engine   : {headers.get('x-pdgate-decode-engine', '?')}")
@@ -447,29 +438,10 @@ def _raise_stop(signum: int, frame: object) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.prefill < 1 or args.decode < 1:
-        print("pdgate up: need at least one prefill and one decode engine", file=sys.stderr)
+    refused = refusal(args)
+    if refused is not None:
+        print(f"pdgate up: {refused}", file=sys.stderr)
         return 2
-    if not 0 <= args.colocated_models <= args.models or args.models < 1:
-        print("pdgate up: --models must be >= 1 and --colocated-models in 0..--models",
-              file=sys.stderr)
-        return 2
-    engines = args.models * args.decode + (args.models - args.colocated_models) * args.prefill
-    if args.cores_per_engine < 0 or engines * args.cores_per_engine > (os.cpu_count() or 1):
-        print(f"pdgate up: --cores-per-engine {args.cores_per_engine}: {engines} engines, "
-              f"{os.cpu_count()} cores", file=sys.stderr)
-        return 2
-    if not any(d.strip() for d in args.device.split(",")):
-        print("pdgate up: --device names no device", file=sys.stderr)
-        return 2
-    if args.models > 1 and args.model != "tiny" and not _is_tiny(Path(args.model)):
-        print("pdgate up: --models N > 1 serves seeded copies of the built-in tiny model "
-              "(--model tiny)", file=sys.stderr)
-        return 2
-    for flag, key in (("--api-key", args.api_key), ("--engine-api-key", args.engine_api_key)):
-        if key is not None and len(key) < 8:
-            print(f"pdgate up: {flag}: use at least 8 characters", file=sys.stderr)
-            return 2
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pdgate-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     cluster = Cluster(log_dir)

@@ -23,9 +23,11 @@ taking the mode its bucket does not hold, predicted cheaper by more than the mar
 how close its predictions were: the share of requests whose measured TTFT (from the
 decision) was within +-25 % of the predicted one, and the median measured / predicted ratio
 (`pdgate_decider_prediction_ratio`); `--json` splits them by choice (D alone, P then D).
-Beside it, `bound`: the share an exact-wait predictor reaches on the same requests, one that
-knows each request's wait and transfer and takes only its service time as the engine's median
-(bench/prediction_bound.py): what the engines' own variation leaves to any prediction.
+Beside it, two reference predictors on the same requests (bench/prediction_bound.py), each
+taking a prompt's service time as the engine's median and the transfer as it was: `queue`
+knows the prompts ahead of each request on its engine (a queue model with the best figures),
+`bound` knows its wait itself (the services ahead too: what the engines' own variation leaves
+to any prediction at all).
 
     python bench/decider.py [--burst 48] [--mixed 48] [--device cuda] [--json]
 
@@ -232,13 +234,14 @@ def run_one(decider: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]
 def table(figures: dict[str, Any]) -> str:
     head = (f"{'phase':<6} {'decider':<14} {'TTFT p50':>9} {'TTFT p90':>9} {'lat p90':>9} "
             f"{'gap p90':>8} {'req/s':>7} {'switch/s':>9} {'over/s':>7} {'pred +-25%':>10} "
-            f"{'bound':>6}  "
+            f"{'queue':>6} {'bound':>6}  "
             "decisions")
     rows = [head, "-" * len(head)]
     for phase_name in ("burst", "mixed"):
         for decider in figures:
             f = figures[decider][phase_name]
             within = f["prediction"]["within_25pct"]
+            queue = f["bound"]["queue_within_25pct"]
             bound = f["bound"]["bound_within_25pct"]
             decisions = ", ".join(f"{k.split('=')[-1].strip(chr(34))} {int(v)}"
                                   for k, v in sorted(f["decisions"].items()))
@@ -248,6 +251,7 @@ def table(figures: dict[str, Any]) -> str:
                         f"{f['switches_per_s']:>9.2f} "
                         f"{f['overrides_per_s']:>7.2f} "
                         f"{'-' if within is None else f'{100 * within:.0f} %':>10} "
+                        f"{'-' if queue is None else f'{100 * queue:.0f} %':>6} "
                         f"{'-' if bound is None else f'{100 * bound:.0f} %':>6}  "
                         f"{decisions}")
     return "\n".join(rows)

@@ -45,6 +45,7 @@ def test_decider_bench_compares_both_deciders() -> None:
         for phase in ("burst", "mixed"):
             bound = figures[decider][phase]["bound"]
             assert bound["requests"] == 8 and 0 <= bound["bound_within_25pct"] <= 1
+            assert 0 <= bound["queue_within_25pct"] <= 1
     assert figures["static"]["mixed"]["bound"]["predicted"] == 0
     assert figures["measured-cost"]["mixed"]["bound"]["predicted"] == 8
 
@@ -60,17 +61,21 @@ def _access(t0: datetime, arrival_s: float, ttft_s: float, predicted_s: float) -
 
 
 def test_prediction_bound_takes_each_service_as_the_engines_median(tmp_path: Path) -> None:
-    """Four prompts sent together to one engine, served first come first served in 0.1,
-    0.3, 0.1 and 0.1 s: an exact-wait predictor (median service 0.1 s) misses only the
-    slow one (0.4 s for 0.2 s), 3 of 4; the decider's logged predictions hit 2 of 4."""
+    """Four prompts sent 1 ms apart to one engine, served first come first served in 0.1,
+    0.3, 0.1 and 0.1 s (first tokens at 0.1, 0.4, 0.5 and 0.6 s). With the median service
+    (0.1 s), an exact-wait predictor misses only the slow one (0.4 s for 0.2 s): 3 of 4; a
+    known-queue one counts 0.1 s for each prompt ahead and misses the slow one and the two
+    behind it (0.5 s for 0.3 s, 0.6 s for 0.4 s): 1 of 4; the decider's logged predictions
+    hit 2 of 4."""
     t0 = datetime(2026, 11, 29, tzinfo=UTC)
     firsts = [0.1, 0.4, 0.5, 0.6]
     predicted = [0.2, 0.1, 0.5, 0.6]
     log = tmp_path / "router.log"
-    log.write_text("not json\n" + "\n".join(_access(t0, 0.0, f, p)
-                                            for f, p in zip(firsts, predicted, strict=True)))
+    log.write_text("not json\n" + "\n".join(
+        _access(t0, i / 1000, f - i / 1000, p - i / 1000)
+        for i, (f, p) in enumerate(zip(firsts, predicted, strict=True))))
     done = subprocess.run([sys.executable, "bench/prediction_bound.py", str(log)],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert "exact-wait bound 75 %, decider 50 % within +-25 % (4 requests, 4 predicted)" \
-        in done.stdout, done.stdout
+    assert ("exact-wait bound 75 %, known queue 25 %, decider 50 % within +-25 % "
+            "(4 requests, 4 predicted)") in done.stdout, done.stdout

@@ -427,14 +427,30 @@ def test_sigterm_drains_for_the_charts_delay_within_its_grace_period(
         drain = config["drain_delay_s"]
         assert config["workers"] == 2 and drain >= 5
         probe = d.router.container.probes["readinessProbe"]["httpGet"]["path"]
+        # Both workers ready first: 20 fresh connections in a row answered 200 (a worker
+        # whose health checks have not yet seen the engines answers 503 "not ready", which
+        # is no drain; it once made this test read that 503 as the drain's).
+        in_a_row, deadline = 0, time.monotonic() + 60
+        while in_a_row < 20:
+            in_a_row = in_a_row + 1 if ready(d.router.url + probe).status_code == 200 else 0
+            assert time.monotonic() < deadline, f"{probe} not 200 on both workers in 60 s"
         sent = time.monotonic()
         d.router.popen.send_signal(signal.SIGTERM)
-        while (resp := ready(d.router.url + probe)).status_code != 503:
-            assert time.monotonic() - sent < 5.0, f"{probe} still {resp.status_code}"
-        time.sleep(0.5)  # the parent signals the workers one after the other
-        # Fresh connections, which the kernel spreads over both workers: all fail.
-        assert [ready(d.router.url + probe).status_code for _ in range(20)] == [503] * 20
-        assert resp.json()["status"] == "draining"
+        # Fresh connections, which the kernel spreads over both workers. The parent signals
+        # the workers one after the other, and on a loaded machine a worker may take a
+        # moment to run its handler: every one must within 5 s. A probe is judged by when it
+        # was sent; 20 in a row at 503 cover both workers (as tests/router/test_workers.py).
+        in_a_row = 0
+        while in_a_row < 20:
+            asked = time.monotonic()
+            resp = ready(d.router.url + probe)
+            if resp.status_code == 503:
+                assert resp.json()["status"] == "draining", resp.text
+                in_a_row += 1
+                continue
+            assert asked - sent < 5.0, f"{probe} still {resp.status_code} 5 s after SIGTERM"
+            in_a_row = 0
+            time.sleep(0.05)
         resp = d.completion(d.router.url, d.client_keys[0])
         assert resp.status_code == 200, f"{resp.text}\n{d.router.tail()}"
         assert time.monotonic() - sent < drain

@@ -303,11 +303,9 @@ async def _collect_unless_disconnected(
     """Run the request to completion, cancelling it (and freeing its blocks) if the client
     goes away first, as vLLM does for non-streaming requests."""
     work = asyncio.ensure_future(_collect(stream))
-    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        await _done_before_disconnect(request, work)
     finally:
-        watch.cancel()
         if not work.done():
             # Only *asked* to cancel: the task is not cancelled() yet, so its result must
             # not be read (that raised InvalidStateError, a 500 for a client already gone).
@@ -327,12 +325,7 @@ async def _admit_unless_disconnected(request: Request, engine: Engine,
     when its turn came (a push-mode D then held them for its push grace), and under a
     burst of abandoned requests the live ones queued behind them for tens of seconds."""
     admit = asyncio.ensure_future(engine.open(gen))
-    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({admit, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-    if admit.done():
+    if await _done_before_disconnect(request, admit):
         return admit.result()
     admit.cancel()  # Engine.open frees what it took and counts the request as abandoned
     try:
@@ -342,6 +335,17 @@ async def _admit_unless_disconnected(request: Request, engine: Engine,
     # The blocks came as the cancel did, and asyncio.wait_for kept the result: free them.
     late.close()
     return None
+
+
+async def _done_before_disconnect(request: Request, work: asyncio.Future[Any]) -> bool:
+    """Wait for `work` or the client's disconnect, whichever comes first: whether `work`
+    is done (the caller cleans up after it when not)."""
+    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    return work.done()
 
 
 async def _wait_disconnect(receive: Receive) -> None:

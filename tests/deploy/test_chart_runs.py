@@ -427,29 +427,33 @@ def test_sigterm_drains_for_the_charts_delay_within_its_grace_period(
         drain = config["drain_delay_s"]
         assert config["workers"] == 2 and drain >= 5
         probe = d.router.container.probes["readinessProbe"]["httpGet"]["path"]
-        # Both workers ready first: 20 fresh connections in a row answered 200 (a worker
-        # whose health checks have not yet seen the engines answers 503 "not ready", which
-        # is no drain; it once made this test read that 503 as the drain's).
-        in_a_row, deadline = 0, time.monotonic() + 60
-        while in_a_row < 20:
-            in_a_row = in_a_row + 1 if ready(d.router.url + probe).status_code == 200 else 0
+        # Both workers ready first: each has answered 200 (a worker whose health checks
+        # have not yet seen the engines answers 503 "not ready", which is no drain; and one
+        # whose lifespan is not up yet does not listen, so its peer gets every connection).
+        seen: set[str] = set()
+        deadline = time.monotonic() + 60
+        while seen != {"0", "1"}:
+            resp = ready(d.router.url + probe)
+            if resp.status_code == 200:
+                seen.add(resp.headers["x-pdgate-worker"])
             assert time.monotonic() < deadline, f"{probe} not 200 on both workers in 60 s"
         sent = time.monotonic()
         d.router.popen.send_signal(signal.SIGTERM)
         # Fresh connections, which the kernel spreads over both workers. The parent signals
         # the workers one after the other, and on a loaded machine a worker may take a
         # moment to run its handler: every one must within 5 s. A probe is judged by when it
-        # was sent; 20 in a row at 503 cover both workers (as tests/router/test_workers.py).
-        in_a_row = 0
-        while in_a_row < 20:
+        # was sent; 20 in a row at 503, both workers among them (as in
+        # tests/router/test_workers.py).
+        in_a_row: list[str] = []
+        while len(in_a_row) < 20 or set(in_a_row) != {"0", "1"}:
             asked = time.monotonic()
             resp = ready(d.router.url + probe)
             if resp.status_code == 503:
                 assert resp.json()["status"] == "draining", resp.text
-                in_a_row += 1
+                in_a_row.append(resp.headers["x-pdgate-worker"])
                 continue
             assert asked - sent < 5.0, f"{probe} still {resp.status_code} 5 s after SIGTERM"
-            in_a_row = 0
+            in_a_row = []
             time.sleep(0.05)
         resp = d.completion(d.router.url, d.client_keys[0])
         assert resp.status_code == 200, f"{resp.text}\n{d.router.tail()}"

@@ -49,6 +49,7 @@ class Recorded:
     body: dict[str, Any]
     rank: int | None = None  # the DP rank that served it (None: not data-parallel)
     at: float = field(default_factory=time.monotonic)  # arrival
+    delayed_until: float | None = None  # when its `delay_s` was over (a completion)
 
     @property
     def is_prefill(self) -> bool:
@@ -306,6 +307,7 @@ class FakeEngine:
         self.requests.append(rec)
         if self.delay_s:
             await self._pause(self.delay_s)
+        rec.delayed_until = time.monotonic()
         if self.drop_completions and request.transport is not None:
             request.transport.abort()
             return web.Response()  # never written: the connection is gone

@@ -93,20 +93,24 @@ async def start_tree(tiny_model_dir: Path) -> AsyncIterator[Callable[..., Any]]:
                 "--decode-policy", "round-robin", "--log-level", "warning", *extra]
         tree = RouterTree(subprocess.Popen(argv, cwd=ROOT), f"http://127.0.0.1:{port}")
         trees.append(tree)
-        for _ in range(600):  # both workers up: /ready on 20 fresh connections in a row
-            assert tree.proc.poll() is None, "router exited during startup"
-            ok = 0
-            async with httpx.AsyncClient(timeout=2.0) as client:
-                for _ in range(20):
-                    try:
-                        ok += (await client.get(tree.url + "/ready",
-                                                headers={"Connection": "close"})).is_success
-                    except httpx.HTTPError:
-                        break
-            if ok == 20 and len(_children(tree.proc.pid)) == 2:
-                return tree
-            await asyncio.sleep(0.1)
-        raise AssertionError("router workers not ready")
+        # Both workers up: each has answered /ready with 200. Counting successes in a row
+        # is not enough: a worker listens only once its lifespan is up, and until then the
+        # kernel sends every connection to the other one.
+        ready: set[str] = set()
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            for _ in range(3000):
+                assert tree.proc.poll() is None, "router exited during startup"
+                try:
+                    resp = await client.get(tree.url + "/ready", headers={"Connection": "close"})
+                except httpx.HTTPError:
+                    await asyncio.sleep(0.1)
+                    continue
+                if resp.is_success:
+                    ready.add(resp.headers["x-pdgate-worker"])
+                if ready == {"0", "1"} and len(_children(tree.proc.pid)) == 2:
+                    return tree
+                await asyncio.sleep(0.02)
+        raise AssertionError(f"router workers not ready (ready: {sorted(ready)})")
 
     yield start
     for tree in trees:
@@ -162,23 +166,20 @@ async def test_sigterm_drains_every_worker_then_the_tree_exits_0(
     tree.proc.send_signal(signal.SIGTERM)
     async with httpx.AsyncClient(timeout=5.0) as client:
 
-        async def ready() -> int:
-            resp = await client.get(tree.url + "/ready", headers={"Connection": "close"})
-            return resp.status_code
-
         # The parent signals the workers one after the other, and a worker on a loaded
         # machine may take a moment to run its handler: every one must within 5 s. A probe
         # is judged by when it was sent (a slow answer sent earlier is not the worker's
-        # delay); 20 in a row at 503 cover both workers.
-        in_a_row = 0
-        while in_a_row < 20:
+        # delay); 20 in a row at 503 "draining", both workers among them.
+        in_a_row: list[str] = []
+        while len(in_a_row) < 20 or set(in_a_row) != {"0", "1"}:
             asked = time.monotonic()
-            code = await ready()
-            if code == 503:
-                in_a_row += 1
+            resp = await client.get(tree.url + "/ready", headers={"Connection": "close"})
+            if resp.status_code == 503:
+                assert resp.json()["status"] == "draining", resp.text
+                in_a_row.append(resp.headers["x-pdgate-worker"])
                 continue
-            assert asked - sent < 5.0, f"/ready still {code} on a worker 5 s after SIGTERM"
-            in_a_row = 0
+            assert asked - sent < 5.0, f"/ready still {resp.status_code} 5 s after SIGTERM"
+            in_a_row = []
             await asyncio.sleep(0.05)
     replies = [await tree.post(BODY) for _ in range(6)]
     assert time.monotonic() - sent < DRAIN_S  # all sent while draining
@@ -186,6 +187,66 @@ async def test_sigterm_drains_every_worker_then_the_tree_exits_0(
     assert all(r.headers["connection"] == "close" for r in replies)
     assert tree.proc.wait(30) == 0
     assert time.monotonic() - sent >= DRAIN_S
+
+
+def _catches(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler installed for `signum` (its SigCgt mask)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+async def test_a_worker_stopped_while_it_starts_comes_up_draining_and_exits_0(
+    make_engine: Callable[..., Any], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """SIGTERM to a worker before it has even read its settings (its parent stopped, or
+    Kubernetes deleted the pod, while it started) is not lost: the worker comes up already
+    draining (/ready 503 "draining", requests served with Connection: close) and exits 0
+    once the delay, counted from the signal, is over. It used to come up serving as if
+    nothing had happened, never drain, and be killed by its parent."""
+    from pdgate.router.cli import config_from_args
+
+    p, d = await make_engine(engine_id="p"), await make_engine(engine_id="d")
+    port = _free_port()
+    config = config_from_args(["--port", str(port), "--model", str(tiny_model_dir),
+                               "--served-model-name", MODEL, "--prefill", p.url,
+                               "--decode", d.url, "--drain-delay-s", "10"])
+    env = {**os.environ, "PDGATE_WORKER_METRICS_DIR": str(tmp_path), "PDGATE_WORKER_INDEX": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "pdgate.router.http.workers", "0"],
+                            stdin=subprocess.PIPE, cwd=ROOT, env=env)
+    try:
+        for _ in range(300):  # the worker waits for its settings on stdin
+            if _catches(proc.pid, signal.SIGTERM):
+                break
+            assert proc.poll() is None, "worker exited before reading its settings"
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError("the worker never handled SIGTERM before reading its settings")
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stdin is not None
+        proc.stdin.write(msgspec.json.encode(worker_config(config, 0)))
+        proc.stdin.close()
+        url = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(timeout=5.0) as client:
+            while True:
+                assert time.monotonic() - sent < 10.0, "the worker did not serve during its drain"
+                try:
+                    ready = await client.get(url + "/ready", headers={"Connection": "close"})
+                except httpx.TransportError:
+                    await asyncio.sleep(0.1)
+                    continue
+                break
+            reply = await client.post(url + "/v1/completions", json=BODY)
+        assert (ready.status_code, ready.json()["status"]) == (503, "draining")
+        assert reply.status_code == 200 and reply.headers["connection"] == "close"
+        assert await asyncio.to_thread(proc.wait, 30) == 0
+        assert time.monotonic() - sent >= 10.0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
 
 
 async def test_notify_mode_notices_reach_the_worker_that_waits(

@@ -21,15 +21,17 @@ there is no control route to protect. The chart sets `drain_delay_s` from
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import time
+from collections.abc import Iterator
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
-__all__ = ["Drain", "DrainingServer"]
+__all__ = ["Drain", "DrainingServer", "EarlySignals"]
 
 log = logging.getLogger(__name__)
 _CLOSE = (b"connection", b"close")
@@ -64,14 +66,47 @@ class Drain:
                           "then in-flight ones finish"}
 
 
+class EarlySignals:
+    """SIGINT/SIGTERM that reach the process before uvicorn installs its handlers, kept for
+    `DrainingServer` to act on once it has. Without it a `--workers` worker that Kubernetes
+    (or its parent) stopped while it was still starting lost the signal: it came up, served
+    and never drained, and its parent killed it after drain + shutdown + 5 s. Also where the
+    signal lands after uvicorn restores this handler and re-raises what it caught, so a
+    requested shutdown exits 0 instead of dying by that signal."""
+
+    def __init__(self) -> None:
+        self._seen: list[int] = []
+
+    def install(self) -> None:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, self._note)
+
+    def _note(self, sig: int, _frame: FrameType | None) -> None:
+        self._seen.append(sig)
+
+    def take(self) -> list[int]:
+        """The signals seen so far, oldest first; forgotten here."""
+        seen, self._seen = self._seen, []
+        return seen
+
+
 class DrainingServer(uvicorn.Server):
     """uvicorn's server with the drain of this module in front of its graceful shutdown."""
 
-    def __init__(self, config: uvicorn.Config, drain: Drain, delay_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, drain: Drain, delay_s: float,
+                 early: EarlySignals) -> None:
         super().__init__(config)
         self._drain = drain
         self._delay_s = delay_s
+        self._early = early
         self._announced = False
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        with super().capture_signals():
+            for sig in self._early.take():  # arrived while the process was starting
+                self.handle_exit(sig, None)
+            yield
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Runs as a Python signal handler in the loop's thread: only flags are set here;

@@ -6,14 +6,13 @@
 from __future__ import annotations
 
 import gc
-import signal
 import socket
 from typing import Any
 
 from pdgate.router.config import RouterConfig
 from pdgate.router.http.app import create_app
 from pdgate.router.http.client_deadlines import header_deadline_protocol
-from pdgate.router.http.drain import Drain, DrainingServer
+from pdgate.router.http.drain import Drain, DrainingServer, EarlySignals
 from pdgate.router.logs import setup_logging
 
 __all__ = ["serve", "setup_process_logging"]
@@ -25,14 +24,19 @@ def setup_process_logging(config: RouterConfig) -> None:
 
 
 def serve(config: RouterConfig, *, app: Any = None, drain: Drain | None = None,
-          sock: socket.socket | None = None, worker: int | None = None) -> int:
+          sock: socket.socket | None = None, worker: int | None = None,
+          early: EarlySignals | None = None) -> int:
     """Serve `config` until SIGINT/SIGTERM (SIGTERM: after `config.drain_delay_s` of
     draining): on `config.host`/`config.port`, or on `sock` (bound, not yet listening: a
     `--workers` worker's SO_REUSEPORT socket). `worker` is that worker's index, sent back in
     the `X-Pdgate-Worker` response header. `app`: the router app already built for `config`
-    with `drain` (default: build both here)."""
+    with `drain` (default: build both here). `early`: the handler a caller installed
+    before it, holding SIGINT/SIGTERM that arrived meanwhile (default: installed here)."""
     import uvicorn
 
+    if early is None:
+        early = EarlySignals()
+        early.install()
     setup_process_logging(config)
     if app is None:
         drain = Drain()
@@ -40,11 +44,6 @@ def serve(config: RouterConfig, *, app: Any = None, drain: Drain | None = None,
     drain = drain or Drain()
     if worker is not None:
         app = _WorkerHeader(app, worker)
-    # uvicorn re-raises the SIGINT/SIGTERM it caught once its graceful shutdown is done,
-    # restoring the handlers it found first; these make that re-raise a no-op, so a
-    # requested shutdown exits 0 instead of dying by signal or with a KeyboardInterrupt.
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: None)
     server = DrainingServer(uvicorn.Config(
         app, host=config.host, port=config.port, loop="auto",
         http=header_deadline_protocol(config.header_timeout_s,
@@ -54,7 +53,7 @@ def serve(config: RouterConfig, *, app: Any = None, drain: Drain | None = None,
         # Nothing in the router reads the client address or scheme that uvicorn's proxy
         # headers middleware rewrites: it would be one more layer on every request.
         proxy_headers=False,
-    ), drain, config.drain_delay_s)
+    ), drain, config.drain_delay_s, early)
     _quiet_gc()
     # asyncio's create_server listens on `sock` once the lifespan is up: until then the
     # kernel sends this port's connections to the workers already serving.

@@ -192,12 +192,16 @@ def _die_with_parent() -> None:
 
 def worker_main(index: int) -> int:
     """One worker: read its config from stdin, serve on the shared port."""
+    from pdgate.router.http.drain import EarlySignals
+
+    early = EarlySignals()  # a stop while this worker starts is acted on once it serves
+    early.install()
     _die_with_parent()
     config = msgspec.json.decode(sys.stdin.buffer.read(), type=RouterConfig)
     from pdgate.router.http.server import serve  # the single-process serving path
 
     sock = listen_socket(config.host, config.port)
-    return serve(config, sock=sock, worker=index)
+    return serve(config, sock=sock, worker=index, early=early)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import pytest
 
 from pdgate.router.config import RouterConfig
 from pdgate.router.http.workers import split_limit, worker_config
+from pdgate.router.worker_metrics import DIR_ENV, INDEX_ENV
 from tests.drain_probes import wait_for_drain
 from tests.router.conftest import MODEL
 from tests.router.fake_engine import FakeEngine
@@ -198,7 +199,7 @@ async def test_a_worker_stopped_while_it_starts_comes_up_draining_and_exits_0(
     config = config_from_args(["--port", str(port), "--model", str(tiny_model_dir),
                                "--served-model-name", MODEL, "--prefill", p.url,
                                "--decode", d.url, "--drain-delay-s", "10"])
-    env = {**os.environ, "PDGATE_WORKER_METRICS_DIR": str(tmp_path), "PDGATE_WORKER_INDEX": "0"}
+    env = {**os.environ, DIR_ENV: str(tmp_path), INDEX_ENV: "0"}
     proc = subprocess.Popen([sys.executable, "-m", "pdgate.router.http.workers", "0"],
                             stdin=subprocess.PIPE, cwd=ROOT, env=env)
     try:

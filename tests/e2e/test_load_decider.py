@@ -4,11 +4,13 @@ Once the prefill engine is congested (busy with requests sent to it directly, as
 router's would be: its /metrics shows them), long prompts run on the idle decode engine
 alone, counted under `cost_direct`. Once the decode engine is busy decoding, they go through
 P then D again: D alone would stall its streams (the guard). The answer equals the colocated
-engine's either way."""
+engine's either way. A non-streaming answer is no first token: only the stream's TTFT is
+compared with its prediction (`pdgate_decider_prediction_ratio`)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -52,6 +54,23 @@ def through_router(c: Cluster, i: int) -> tuple[dict[str, Any], httpx.Headers]:
     return resp.json(), resp.headers
 
 
+def stream_through_router(c: Cluster, i: int) -> tuple[str, httpx.Headers]:
+    body = {"model": "tiny", "prompt": f"{i} {LONG}", "max_tokens": 12, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    text = ""
+    with httpx.stream("POST", c.router + "/v1/completions", json=body, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                text += "".join(ch["text"] for ch in json.loads(line[6:])["choices"])
+        return text, resp.headers
+
+
+def ratios(c: Cluster, choice: str) -> float:
+    """How many measured / predicted TTFTs the decider observed for `choice`."""
+    return metric(c.router, "pdgate_decider_prediction_ratio_count", f'choice="{choice}"')
+
+
 def keep_busy(url: str, stop: threading.Event) -> None:
     """Long generations sent to the engine itself, one after another, until `stop`."""
     body = {"model": "tiny", "prompt": "busy", "max_tokens": 400, "ignore_eos": True}
@@ -83,7 +102,7 @@ def busy(url: str, n: int) -> Iterator[None]:
 def test_long_prompts_go_where_the_first_token_comes_sooner(cluster: Cluster) -> None:
     p, d = cluster.prefill[0], cluster.decode[0]
     # The colocated answers first (the decode engine is idle again before the test runs).
-    want = [complete(d, f"{i} {LONG}", max_tokens=12)["choices"][0]["text"] for i in range(6)]
+    want = [complete(d, f"{i} {LONG}", max_tokens=12)["choices"][0]["text"] for i in range(7)]
     through_router(cluster, 99)  # the first P/D request sets up the KV link: not timed here
     wait_metric(cluster, "decode", lambda n: n == 0)
 
@@ -94,7 +113,13 @@ def test_long_prompts_go_where_the_first_token_comes_sooner(cluster: Cluster) ->
             assert "x-pdgate-prefill-engine" not in headers, i  # D alone
             assert headers["x-pdgate-decode-engine"] == d
             assert got["choices"][0]["text"] == want[i]
-    assert decisions(cluster, "cost_direct") == 3
+        # Three whole answers, no first token among them: nothing to compare.
+        assert ratios(cluster, "direct") == 0
+        text, headers = stream_through_router(cluster, 6)
+        assert "x-pdgate-prefill-engine" not in headers  # D alone, streamed
+        assert text == want[6]
+        assert ratios(cluster, "direct") == 1  # its first token, against its prediction
+    assert decisions(cluster, "cost_direct") == 4
 
     wait_metric(cluster, "prefill", lambda n: n == 0)
     before = decisions(cluster, "decode_itl_guard") + decisions(cluster, "cost_disagg")
@@ -106,7 +131,7 @@ def test_long_prompts_go_where_the_first_token_comes_sooner(cluster: Cluster) ->
             assert got["choices"][0]["text"] == want[i]
     after = decisions(cluster, "decode_itl_guard") + decisions(cluster, "cost_disagg")
     assert after - before == 3
-    assert decisions(cluster, "cost_direct") == 3
+    assert decisions(cluster, "cost_direct") == 4
     # The router's dashboard shows the engines' own figures it decided on.
     engines = httpx.get(cluster.router + "/dashboard/state", timeout=10).json()["engines"]
     assert all(e["running"] is not None for e in engines)

@@ -9,16 +9,16 @@ from prometheus_client import CollectorRegistry
 from pdgate.router import request_context
 from pdgate.router.config import ConfigError, PolicySpec
 from pdgate.router.engine_load import EngineLoad
-from pdgate.router.input.schema import ClientRequest, CompletionParams
 from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies import PickContext, build_policy, choose
 from pdgate.router.policies.cost_model import CostModel, Queue, bucket_of
 from pdgate.router.policies.decider import PrefixDecider
-from pdgate.router.policies.measured_cost import MeasuredCostDecider, MeasuredCostParams, Modes
+from pdgate.router.policies.measured_cost import MeasuredCostDecider, MeasuredCostParams
+from pdgate.router.policies.modes import Modes
 from pdgate.router.policies.setup import build_decider
 from pdgate.router.pool import EndpointPool
 from pdgate.router.request_context import RequestRecord
-from tests.router.cost_model_fixtures import D0, D1, P0, P1, Clock, recorded
+from tests.router.cost_model_fixtures import D0, D1, P0, P1, make, recorded, request, served
 
 
 @pytest.mark.parametrize(("n", "bucket"), [
@@ -123,23 +123,6 @@ def test_hysteresis_on_recorded_predictions(
     assert h.mode(4) is False  # other buckets start disaggregated
 
 
-def make(params: MeasuredCostParams | None = None, static: PrefixDecider | None = None,
-         ) -> tuple[MeasuredCostDecider, EndpointPool, CollectorRegistry, Clock]:
-    registry = CollectorRegistry()
-    metrics = RouterMetrics.create(registry)
-    pool = EndpointPool([P0, P1], [D0, D1], metrics)
-    clock = Clock()
-    decider = MeasuredCostDecider(params or MeasuredCostParams(prior_tps=1000.0),
-                                  static or PrefixDecider(), pool, metrics, clock, clock)
-    return decider, pool, registry, clock
-
-
-def request(tokens: int, rid: str = "r1", **fields: int) -> ClientRequest:
-    return ClientRequest("completion", "/v1/completions", {"prompt": "x", **fields},
-                         CompletionParams(prompt="x", **fields), rid, {},
-                         prompt_token_ids=list(range(tokens)))
-
-
 def test_a_congested_prefill_pool_sends_long_prompts_to_idle_decoders() -> None:
     decider, pool, metrics, clock = make()
     assert decider.decide(request(1000)).reason == "cost_disagg"  # both idle: the static mode
@@ -225,7 +208,7 @@ def test_a_mode_left_unmeasured_is_probed_and_what_the_probe_measures_counts() -
         ep.load = EngineLoad(8.0, 2.0, 0.5, clock.t)
     # D alone measured slow on both Ds (1 s for 1,000 tokens): nothing shows P got faster.
     for i, d in enumerate((D0, D1)):
-        _served(decider, request(1000, f"d{i}"), {"decode": d}, clock.t, None, 1.0)
+        served(decider, request(1000, f"d{i}"), {"decode": d}, clock.t, None, 1.0)
     assert decider.modes.mode(bucket_of(1000)) is True  # D alone
     clock.t += 4.0
     assert decider.decide(request(1000)).reason == "cost_direct"  # not yet due
@@ -283,28 +266,9 @@ def test_no_prefill_engine_keeps_the_static_answer() -> None:
     assert decider.decide(request(1000)).reason == "disagg"  # the flow falls back itself
 
 
-def _served(decider: MeasuredCostDecider, req: ClientRequest, role_keys: dict[str, str],
-            arrival: float, prefill_s: float | None, first_s: float) -> RequestRecord:
-    """One request through the decider with a current record, then what it measured."""
-    record = RequestRecord("POST", "/v1/completions", arrival=arrival)
-    token = request_context.open_record(record)
-    try:
-        decider.decide(req)
-        req.served_by.update(role_keys)
-        watcher = record.watcher
-        assert watcher is not None
-        if prefill_s is not None:
-            watcher.prefill_done(prefill_s)
-        watcher.first_token(first_s)
-        watcher.ended()
-    finally:
-        request_context.close_record(token)
-    return record
-
-
 def test_requests_teach_the_predictor_and_the_ratio_is_observed() -> None:
     decider, _, metrics, clock = make(MeasuredCostParams(prior_tps=1000.0, alpha=1.0))
-    record = _served(decider, request(1000), {"prefill": P0, "decode": D0}, clock.t,
+    record = served(decider, request(1000), {"prefill": P0, "decode": D0}, clock.t,
                      prefill_s=0.5, first_s=0.55)
     assert record.predicted_ttft_s == pytest.approx(1.0)  # prior: 1000 tokens at 1000/s
     assert decider.model.rate(P0, 1000) == pytest.approx(2000.0)
@@ -315,7 +279,7 @@ def test_requests_teach_the_predictor_and_the_ratio_is_observed() -> None:
     assert decider._pending == {}  # ended: nothing left queued
     # The next request is predicted from what was learnt.
     # (D alone, at P's rate borrowed, is 0.5 s: within the 20 % margin, so P then D holds.)
-    record = _served(decider, request(1000, "r2"), {"prefill": P0, "decode": D0}, clock.t,
+    record = served(decider, request(1000, "r2"), {"prefill": P0, "decode": D0}, clock.t,
                      prefill_s=0.5, first_s=0.6)
     assert record.decision is None and decider.modes.mode(bucket_of(1000)) is False
     assert record.predicted_ttft_s == pytest.approx(0.5 + 0.05)

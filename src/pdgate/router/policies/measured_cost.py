@@ -60,6 +60,9 @@ still applies), and what it measures corrects the prediction.
 
 What each request measures (its P leg, its time to first token) teaches the predictor, and
 the ratio measured / predicted is observed in `pdgate_decider_prediction_ratio{choice}`.
+A non-streaming answer comes whole: its time includes every token generated, no first
+token. Such a request teaches its P leg only, counts in its D's queue until its predicted
+time to first token has passed, and never probes D alone (it would measure nothing).
 
 | param               | default | meaning                                                |
 |---------------------|---------|--------------------------------------------------------|
@@ -107,12 +110,13 @@ from pdgate.router.metrics import RouterMetrics
 from pdgate.router.policies.base import ParamsType
 from pdgate.router.policies.cost_model import CostModel, Queue, bucket_of
 from pdgate.router.policies.decider import Decision, PrefixDecider
+from pdgate.router.policies.modes import Modes
 from pdgate.router.pool import Endpoint, EndpointPool
 
 if TYPE_CHECKING:
     from pdgate.router.engine_load import EngineLoad
 
-__all__ = ["MeasuredCostDecider", "MeasuredCostParams", "Modes"]
+__all__ = ["MeasuredCostDecider", "MeasuredCostParams"]
 
 
 class MeasuredCostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -128,36 +132,6 @@ class MeasuredCostParams(msgspec.Struct, frozen=True, forbid_unknown_fields=True
     target_queue_s: Annotated[float, Meta(gt=0.0)] = 1.0
     target_kv_usage: Annotated[float, Meta(gt=0.0, le=1.0)] = 0.8
     pick_engines: bool = True
-
-
-@dataclass
-class Modes:
-    """Hysteresis: each bucket's held mode (True: D alone) and when it last changed."""
-
-    margin: float
-    min_dwell_s: float
-    _mode: dict[int, tuple[bool, float]] = field(default_factory=dict)
-
-    def choose(self, bucket: int, t_disagg: float, t_direct: float,
-               now: float) -> tuple[bool, bool]:
-        """(this request's mode, True: D alone; whether the bucket's held mode changed).
-
-        Within `margin` of each other the held mode serves. A request whose other mode is
-        predicted cheaper by more than `margin` takes it; the held mode follows at most
-        once per `min_dwell_s`. Holding every request to the held mode through the dwell
-        herded a burst: at 115 requests a second a 0.2 s dwell sent ~23 prompts in a row
-        to one pool after its queue had passed the other's (docs/benchmarks.md)."""
-        direct, since = self._mode.get(bucket, (False, -math.inf))
-        current, other = (t_direct, t_disagg) if direct else (t_disagg, t_direct)
-        if other * (1 + self.margin) >= current:
-            return direct, False
-        if now - since >= self.min_dwell_s:
-            self._mode[bucket] = (not direct, now)
-            return not direct, True
-        return not direct, False
-
-    def mode(self, bucket: int) -> bool:
-        return self._mode.get(bucket, (False, 0.0))[0]
 
 
 @dataclass(eq=False)
@@ -199,12 +173,16 @@ class _Pending:
 
     def waiting_on(self) -> tuple[str, str | None] | None:
         """(role, endpoint key or None while not yet sent) of the engine that still has
-        this request's prompt to compute; None once that prefill is done."""
+        this request's prompt to compute; None once that prefill is done (a non-streaming
+        D alone: once its predicted time to first token has passed, none being seen)."""
         role = self.prompt_role
         if self.first if self.direct else self.prefill_s is not None:
             return None
-        return role, (self.sent_to.get(role) or self.req.served_by.get(role)
-                      or self.prefer.get(role))
+        key = self.sent_to.get(role) or self.req.served_by.get(role) or self.prefer.get(role)
+        if self.direct and not self.req.stream and key is not None and \
+                self.owner._clock() - self.t_decide >= self.predicted.get(key, math.inf):
+            return None
+        return role, key
 
     def prefill_done(self, seconds: float) -> None:
         if self.prefill_s is None:
@@ -212,8 +190,10 @@ class _Pending:
             self.owner._learn_prefill(self, seconds)
 
     def first_token(self, ttft: float) -> None:
-        if not self.first:
-            self.first = True
+        if self.first:
+            return
+        self.first = True
+        if self.req.stream:  # else the whole answer: no first token (module docstring)
             self.owner._learn_first(self, self.arrival + ttft - self.t_decide)
 
     def ended(self) -> None:
@@ -313,7 +293,8 @@ class MeasuredCostDecider:
         reason = "cost_direct" if direct else "cost_disagg"
         if not direct and t_d * (1 + self.params.margin) < t_pd:
             reason = "decode_stall_cost"  # only the stalled streams' delay kept it off D
-        if self._probe_due(b, not direct):
+        # D alone measures only a first token, which a non-streaming answer does not show
+        if (direct or req.stream) and self._probe_due(b, not direct):
             direct, reason = not direct, "probe"
         if direct and not calm:
             direct, reason = False, "decode_itl_guard"

@@ -15,7 +15,7 @@ from pdgate.router.engine_load import load_of_page
 from tests.e2e.cluster import metric
 from tests.vllm.conftest import VllmCluster
 from tests.vllm.processes import ENGINE_KEY, SERVED_NAME
-from tests.vllm.test_vllm_pd import complete
+from tests.vllm.test_vllm_pd import IGNORE_EOS, client, complete
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -76,16 +76,27 @@ def test_router_sees_a_running_request_on_the_decode_engine(
         time.sleep(0.2)
 
 
+def streamed(url: str, prompt: str, max_tokens: int) -> str:
+    """The text of a greedy streamed completion of exactly `max_tokens` tokens."""
+    chunks = client(url).completions.create(model=SERVED_NAME, prompt=prompt,
+                                            max_tokens=max_tokens, temperature=0,
+                                            extra_body=IGNORE_EOS, stream=True)
+    return "".join(c.choices[0].text for c in chunks if c.choices)
+
+
 def test_measured_cost_decisions_answer_as_colocated(
     vllm_cluster: VllmCluster, router: str,
 ) -> None:
     ref = vllm_cluster.ref.url
     for i in range(4):
         prompt = f"{i} {PROMPT}"
-        got = complete(router, prompt, 8)
-        assert got.choices[0].text == complete(ref, prompt, 8).choices[0].text
+        got = streamed(router, prompt, 8)
+        assert got == complete(ref, prompt, 8).choices[0].text
+    # A non-streaming answer is decided too, but shows no first token to compare.
+    got_whole = complete(router, f"4 {PROMPT}", 8)
+    assert got_whole.choices[0].text == complete(ref, f"4 {PROMPT}", 8).choices[0].text
     decided = sum(metric(router, "pdgate_disagg_decisions_total", f'reason="{r}"')
                   for r in ("cost_disagg", "cost_direct", "decode_itl_guard",
                             "decode_stall_cost", "probe"))
-    assert decided == 4
+    assert decided == 5
     assert metric(router, "pdgate_decider_prediction_ratio_count") == 4

@@ -68,6 +68,9 @@ def test_one_access_line_per_request_with_its_ids_and_engines(served: Served) ->
         assert 0 < line["duration_s"] < 120
         # The P leg's round trip, within the request's.
         assert 0 < line["prefill_s"] <= line["duration_s"], line
+    # A stream's first token; a whole answer shows none (its time is `duration_s`).
+    assert 0 < streamed["ttft_s"] <= streamed["duration_s"]
+    assert plain["ttft_s"] is None
     assert missing["request_id"] and missing["prefill_engine"] is None
     # A refused request's line says why, with the code of the error body the client got.
     assert missing["error_code"] == "model_not_found"

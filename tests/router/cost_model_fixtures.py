@@ -68,7 +68,7 @@ def request(tokens: int, rid: str = "r1", *, stream: bool = True,
 
 
 def served(decider: MeasuredCostDecider, req: ClientRequest, role_keys: dict[str, str],
-            arrival: float, prefill_s: float | None, first_s: float) -> RequestRecord:
+            arrival: float, prefill_s: float | None, first_s: float | None) -> RequestRecord:
     """One request through the decider with a current record, then what it measured."""
     record = RequestRecord("POST", "/v1/completions", arrival=arrival)
     token = request_context.open_record(record)
@@ -79,7 +79,8 @@ def served(decider: MeasuredCostDecider, req: ClientRequest, role_keys: dict[str
         assert watcher is not None
         if prefill_s is not None:
             watcher.prefill_done(prefill_s)
-        watcher.first_token(first_s)
+        if first_s is not None:  # None: a non-streaming answer, its first token unseen
+            watcher.first_token(first_s)
         watcher.ended()
     finally:
         request_context.close_record(token)

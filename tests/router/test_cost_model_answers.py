@@ -1,7 +1,8 @@
 """The measured-cost decider and non-streaming requests, on recorded signals: their answer
-comes whole, so the time to it is no first token. Taken for one, a D alone that generated
-for seconds taught D a prefill rate as slow as its whole answer, and P then D an overhead
-as long as D's generation; the prediction ratio counted the answers as TTFTs."""
+comes whole and the router never sees their first token (router/metrics.py
+`served_whole`). When the time to the whole answer was taken for one, a D alone that
+generated for seconds taught D a prefill rate as slow as its whole answer, P then D an
+overhead as long as D's generation, and the prediction ratio counted answers as TTFTs."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ def ratio_count(metrics: object, choice: str) -> float:
 @pytest.mark.parametrize("stream", [True, False])
 def test_p_then_d_learns_its_p_leg_and_only_a_stream_its_overhead(stream: bool) -> None:
     decider, _, metrics, clock = make(PARAMS)
+    # A stream's first token 2.5 s after P's leg (a slow transfer); a whole answer, none.
     served(decider, request(1000, stream=stream), {"prefill": P0, "decode": D0}, clock.t,
-           prefill_s=0.5, first_s=3.0)  # 2.5 s after P: a stream's transfer, or D's answer
+           prefill_s=0.5, first_s=3.0 if stream else None)
     assert decider.model.rate(P0, 1000) == pytest.approx(2000.0)  # the P leg, either way
     assert decider.model.overhead(1000) == pytest.approx(2.5 if stream else 0.0)
     assert ratio_count(metrics, "disagg") == (1.0 if stream else 0.0)
@@ -39,10 +41,10 @@ def test_d_alone_learns_ds_rate_from_a_first_token_only(stream: bool) -> None:
     for ep in pool.endpoints("prefill"):  # P congested: long prompts go to D alone
         ep.load = EngineLoad(8.0, 2.0, 0.5, clock.t)
     served(decider, request(1000, stream=stream), {"decode": D0}, clock.t,
-           prefill_s=None, first_s=4.0)
+           prefill_s=None, first_s=4.0 if stream else None)
     assert decider.modes.mode(bucket_of(1000)) is True  # it went to D alone
-    # A stream's first token after 4 s: D computes 250 tokens/s. A whole answer after 4 s
-    # says nothing of D's prefill: the prior stands.
+    # A stream's first token after 4 s: D computes 250 tokens/s. A whole answer says
+    # nothing of D's prefill: the prior stands.
     assert decider.model.rate(D0, 1000) == pytest.approx(250.0 if stream else 1000.0)
     assert ratio_count(metrics, "direct") == (1.0 if stream else 0.0)
 
@@ -70,9 +72,6 @@ def test_a_non_streaming_d_alone_leaves_ds_queue_when_its_first_token_is_due() -
     clock.t += 2.0  # the later one was predicted 2 s (1 s behind the first, at 1,000/s)
     assert decider.queues((), decode)[D0] == pytest.approx(100.0)  # the stream: 90 % done
     clock.t += 60.0  # the non-streaming answer is still generating
-    assert decider.queues((), decode)[D0] == pytest.approx(100.0)
-    assert queued[False].watcher is not None
-    queued[False].watcher.first_token(62.0)  # its answer: nothing changes for the queue
     assert decider.queues((), decode)[D0] == pytest.approx(100.0)
 
 

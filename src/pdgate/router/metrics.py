@@ -3,8 +3,9 @@
 `RouterMetrics.create(registry)` registers everything; nothing is module-global, so two apps
 in one process (tests) never collide. Callers record at the boundary: the API layer counts
 requests, the flows time legs and count decisions, the pool keeps the gauges, admission
-times the queue. Two helpers take whole facts so callers need no label bookkeeping:
-`observe_ttft(mode, arrival)` and `observe_usage(model, usage)`; `observe_answer(raw)` and
+times the queue. Helpers take whole facts so callers need no label bookkeeping:
+`observe_ttft(mode, arrival)` (streams; `served_whole(mode)` for a whole answer) and
+`observe_usage(model, usage)`; `observe_answer(raw)` and
 `StreamUsage` find the usage in what the client got (a JSON answer, SSE lines).
 
 Also on every app's registry: `pdgate_build_info{version,commit}` (always 1; the commit is
@@ -187,7 +188,7 @@ class RouterMetrics:
         return replace(self, model=name, _children={})
 
     def observe_ttft(self, mode: str, arrival: float, now: float | None = None) -> None:
-        """Record one request's time to first token: from `arrival` (`time.perf_counter()`
+        """Record one stream's time to first token: from `arrival` (`time.perf_counter()`
         when the request reached the router, before its body was read and before any
         admission queue) to `now` (default: the current time), when the first decode byte
         arrived. `mode` is the flow that served it (label). Also noted on the request's
@@ -200,6 +201,16 @@ class RouterMetrics:
             record.ttft_s = ttft
             if record.watcher is not None:
                 record.watcher.first_token(ttft)
+
+    def served_whole(self, mode: str) -> None:
+        """A non-streaming answer came back whole from the flow `mode`: noted on the
+        request's access-log line. No time to first token: the router never saw that
+        token. Taken for one, the time to the whole answer (every token generated) counted
+        against the chart's TTFT SLO alert and taught the measured-cost decider a D whose
+        prefill took as long as its generation."""
+        record = request_context.current()
+        if record is not None:
+            record.mode = mode
 
     def observe_prefill(self, seconds: float) -> None:
         """Record one request's prefill leg round trip (`seconds`), for the metric and

@@ -134,7 +134,7 @@ class DecodeLeg:
                 return await self.stream_early(req, prefill, prefill.first, t0, None, mode)
             if req.stream:
                 return await self.open(req, prefill, t0, mode)
-            return await self.run(req, prefill, t0, mode)
+            return await self.run(req, prefill, mode)
         except BaseException:
             self.abort_prefill(req, prefill)
             raise
@@ -152,7 +152,7 @@ class DecodeLeg:
                              lambda p: self.abort_prefill(req, p))
 
     async def run(self, req: ClientRequest, prefill: PrefillOutcome | None,
-                  t0: float, mode: str) -> bytes:
+                  mode: str) -> bytes:
         """Non-streaming D leg; returns the body for the client with billing fixed."""
         parts = self.parts
         bodies = self._bodies(req, prefill)
@@ -165,7 +165,7 @@ class DecodeLeg:
         with span("decode_leg"):
             raw = await run_leg(parts, "decode", req, call, reuse=bodies.take_fresh)
         bodies.settle(prefill)
-        parts.metrics.observe_ttft(mode, t0)
+        parts.metrics.served_whole(mode)
         usage_from_p = _usage_to_apply(bodies.prefill)
         if usage_from_p is None:
             return raw

@@ -112,7 +112,7 @@ class NotifyFlow:
         try:
             if req.stream:
                 return await self._open_decode(req, d_ep, kv, t0)
-            return await self._run_decode(req, d_ep, kv, t0)
+            return await self._run_decode(req, d_ep, kv)
         except RouterError as exc:  # nothing reached the client yet
             raise LegFailure("decode", d_ep, exc) from None
 
@@ -230,8 +230,7 @@ class NotifyFlow:
             self.metrics.flow_failures.labels(MODE, "error").inc()
         raise exc
 
-    async def _run_decode(self, req: ClientRequest, d_ep: Endpoint, kv: _Leg,
-                          t0: float) -> bytes:
+    async def _run_decode(self, req: ClientRequest, d_ep: Endpoint, kv: _Leg) -> bytes:
         o = self.parts
         body = decode_leg_body(req.body, None if kv.params is None else
                                remote_prefill(kv.params), req.track_ids)
@@ -242,7 +241,7 @@ class NotifyFlow:
         except BaseException:
             self.aborter.abort(d_ep.url, req.request_id)
             raise
-        o.metrics.observe_ttft(MODE, t0)
+        o.metrics.served_whole(MODE)
         usage = kv.leg.usage() if kv.params is not None else None
         if usage is None and kv.params is not None and not kv.leg.task.done():
             # P's reply left before its KV did, so this wait is ~never taken.

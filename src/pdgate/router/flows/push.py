@@ -135,7 +135,7 @@ class PushFlow:
                 return await self._stream_early(req, d_ep, d_body, watch, t0)
             if req.stream:
                 return await self._open_decode(req, d_ep, d_body, watch, t0)
-            return await self._run_decode(req, d_ep, d_body, watch, t0)
+            return await self._run_decode(req, d_ep, d_body, watch)
         except LegFailure:
             raise
         except RouterError as exc:  # the decode leg's own failure; nothing sent yet
@@ -171,7 +171,7 @@ class PushFlow:
                 try:
                     if req.stream:
                         return await self._open_decode(req, d_ep, body, watch, t0)
-                    return await self._run_decode(req, d_ep, body, watch, t0)
+                    return await self._run_decode(req, d_ep, body, watch)
                 except _Redrive as redo:
                     log.info("request %s: sending the decode leg again with the prefill "
                              "engine's answer (%s)", req.request_id, redo.why)
@@ -208,7 +208,7 @@ class PushFlow:
         return await self.decode.stream_early(req, outcome, first, t0, d_ep, MODE)
 
     async def _run_decode(self, req: ClientRequest, d_ep: Endpoint, body: bytes,
-                          watch: _Watch, t0: float) -> bytes:
+                          watch: _Watch) -> bytes:
         o = self.parts
 
         async def call() -> bytes:
@@ -217,7 +217,7 @@ class PushFlow:
                                                 d_ep.pin(req.engine_headers))
 
         raw = await watch.run(asyncio.create_task(call()))
-        o.metrics.observe_ttft(MODE, t0)
+        o.metrics.served_whole(MODE)
         usage = watch.leg.usage() if watch.pushed else None
         return raw if usage is None else rewrite_reply_usage(raw, usage)
 

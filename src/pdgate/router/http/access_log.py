@@ -7,7 +7,8 @@ response headers name), watches the response start for the status, and logs once
 returned, i.e. after the last byte of a stream (and tells the request's watcher it ended,
 router/request_context.py). Fields: method, path,
 status, duration_s, request_id, client_request_id, model, mode, fallback, decision (the
-decider's reason), predicted_ttft_s (the measured-cost decider's prediction), ttft_s,
+decider's reason), predicted_ttft_s (the measured-cost decider's prediction), ttft_s
+(a stream's; null for a non-streaming answer, whose first token the router never sees),
 prefill_s (the P leg's round trip: what of the TTFT was P's; null without one),
 admission_wait_s, prompt_tokens, completion_tokens, prefill_engine, decode_engine (null
 when unknown), migrations (continuations of a stream whose decode engine failed

@@ -60,9 +60,9 @@ still applies), and what it measures corrects the prediction.
 
 What each request measures (its P leg, its time to first token) teaches the predictor, and
 the ratio measured / predicted is observed in `pdgate_decider_prediction_ratio{choice}`.
-A non-streaming answer comes whole: its time includes every token generated, no first
-token. Such a request teaches its P leg only, counts in its D's queue until its predicted
-time to first token has passed, and never probes D alone (it would measure nothing).
+A non-streaming answer comes whole, its first token unseen (router/metrics.py
+`served_whole`): such a request teaches its P leg only, counts in its D's queue until its
+predicted time to first token has passed, and never probes D alone (nothing to measure).
 
 | param               | default | meaning                                                |
 |---------------------|---------|--------------------------------------------------------|
@@ -190,10 +190,8 @@ class _Pending:
             self.owner._learn_prefill(self, seconds)
 
     def first_token(self, ttft: float) -> None:
-        if self.first:
-            return
-        self.first = True
-        if self.req.stream:  # else the whole answer: no first token (module docstring)
+        if not self.first:
+            self.first = True
             self.owner._learn_first(self, self.arrival + ttft - self.t_decide)
 
     def ended(self) -> None:

@@ -8,7 +8,8 @@ returned, i.e. after the last byte of a stream (and tells the request's watcher 
 router/request_context.py). Fields: method, path,
 status, duration_s, request_id, client_request_id, model, mode, fallback, decision (the
 decider's reason), predicted_ttft_s (the measured-cost decider's prediction), ttft_s
-(a stream's; null for a non-streaming answer, whose first token the router never sees),
+(null for a non-streaming answer that came whole, its first token never seen; one the router
+reads as a stream itself, `--migrate-non-streaming`, has it),
 prefill_s (the P leg's round trip: what of the TTFT was P's; null without one),
 admission_wait_s, prompt_tokens, completion_tokens, prefill_engine, decode_engine (null
 when unknown), migrations (continuations of a stream whose decode engine failed

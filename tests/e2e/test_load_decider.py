@@ -10,7 +10,6 @@ compared with its prediction (`pdgate_decider_prediction_ratio`)."""
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,7 +19,14 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.cluster import Cluster, complete, metric, start_cluster, wait_pools_full
+from tests.e2e.cluster import (
+    Cluster,
+    complete,
+    completion_text,
+    metric,
+    start_cluster,
+    wait_pools_full,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -57,13 +63,8 @@ def through_router(c: Cluster, i: int) -> tuple[dict[str, Any], httpx.Headers]:
 def stream_through_router(c: Cluster, i: int) -> tuple[str, httpx.Headers]:
     body = {"model": "tiny", "prompt": f"{i} {LONG}", "max_tokens": 12, "temperature": 0,
             "ignore_eos": True, "stream": True}
-    text = ""
-    with httpx.stream("POST", c.router + "/v1/completions", json=body, timeout=120) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                text += "".join(ch["text"] for ch in json.loads(line[6:])["choices"])
-        return text, resp.headers
+    resp = httpx.post(c.router + "/v1/completions", json=body, timeout=120)
+    return completion_text(resp, True), resp.headers
 
 
 def ratios(c: Cluster, choice: str) -> float:

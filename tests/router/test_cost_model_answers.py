@@ -7,6 +7,7 @@ overhead as long as D's generation, and the prediction ratio counted answers as 
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from pdgate.router import request_context
 from pdgate.router.engine_load import EngineLoad
@@ -18,9 +19,9 @@ from tests.router.cost_model_fixtures import D0, P0, make, request, served
 PARAMS = MeasuredCostParams(prior_tps=1000.0, alpha=1.0)
 
 
-def ratio_count(metrics: object, choice: str) -> float:
-    got = metrics.get_sample_value(  # type: ignore[attr-defined]
-        "pdgate_decider_prediction_ratio_count", {"choice": choice})
+def ratio_count(registry: CollectorRegistry, choice: str) -> float:
+    got = registry.get_sample_value("pdgate_decider_prediction_ratio_count",
+                                    {"choice": choice})
     return got or 0.0
 
 

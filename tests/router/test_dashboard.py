@@ -267,7 +267,7 @@ async def test_page_shows_engines_charts_and_tables_in_a_real_browser(
         await asyncio.sleep(0.3)
         errors = page.errors()
     assert sorted(engines) == expected and len(engines) == 3
-    assert cards["Status"] == "ready" and "(4 req)" in ttft and "from arrival" in ttft
+    assert cards["Status"] == "ready" and "(4 streams)" in ttft and "from arrival" in ttft
     assert f"version {__version__}" in about and "mode pull" in about
     assert about != first_about, about
     assert title == "Last 15 minutes"

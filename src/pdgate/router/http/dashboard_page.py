@@ -180,7 +180,7 @@ function render(s) {
   $("decode-count").textContent = usable("decode");
   $("in-flight").textContent = s.engines.reduce((n, e) => n + e.in_flight, 0);
   $("ttft-label").textContent = "TTFT p50 / p95 from arrival, last "
-    + Math.round(s.ttft.window_s) + " s (" + s.ttft.count + " req)";
+    + Math.round(s.ttft.window_s) + " s (" + s.ttft.count + " streams)";
   $("ttft").textContent = ms(s.ttft.p50_s) + " / " + ms(s.ttft.p95_s);
   const body = $("engines");
   body.replaceChildren();

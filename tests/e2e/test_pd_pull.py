@@ -126,6 +126,29 @@ def test_a_stream_opens_with_the_prefill_token_and_equals_colocated(
         colocated["usage"]["prompt_tokens"], 12)
 
 
+def test_a_prompt_filling_its_blocks_streams_ds_first_token_and_says_why(
+    cluster: Cluster,
+) -> None:
+    """16 prompt tokens fill four blocks of 4 exactly: D's prompt of one token more would
+    span a block P does not hold (vLLM's decode engine asserts on it), so the stream keeps
+    the plain flow, counted under `full_block`; 17 tokens leave room."""
+    withheld = ("pdgate_early_first_tokens_withheld_total", 'reason="full_block"')
+    opened = ("pdgate_early_first_tokens_total", 'result="kv"')
+    split = ("pdgate_early_first_tokens_withheld_total", 'reason="partial_character"')
+    for n, fills in ((16, True), (17, False)):
+        ids = list(range(100, 100 + n))
+        body = {"model": "tiny", "prompt": ids, "max_tokens": 8, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        before = [metric(cluster.router, *m) for m in (withheld, opened, split)]
+        text, _, _ = stream_text(cluster.router, body)
+        assert text == complete(cluster.decode[0], ids, max_tokens=8)["choices"][0]["text"]
+        after = [metric(cluster.router, *m) for m in (withheld, opened, split)]
+        if fills:
+            assert after == [before[0] + 1, before[1], before[2]], n
+        else:  # P's token opened the stream, or it was part of a character (counted)
+            assert after[0] == before[0] and after[1] + after[2] == before[1] + before[2] + 1
+
+
 def test_transferred_kv_bytes_equal_prefill_bytes(cluster: Cluster) -> None:
     rid = f"kv-digest-{time.monotonic_ns()}"
     resp = httpx.post(cluster.router + "/v1/completions", headers={"X-Request-Id": rid},

@@ -36,6 +36,7 @@ class FlowMetrics:
     kv_wait: Histogram  # mode: prefill dispatched -> KV ready (notify) / first decode byte
     flow_failures: Counter  # mode, reason
     early_tokens: Counter  # result: streams opened with P's token, and how D went on
+    early_withheld: Counter  # reason: eligible streams whose P token kept the plain flow
 
     @classmethod
     def create(cls, registry: CollectorRegistry) -> FlowMetrics:
@@ -54,6 +55,13 @@ class FlowMetrics:
                 "Streams that sent the prefill engine's token first, by how the decode engine "
                 "went on (kv: with the transferred KV; recompute: the KV was lost)",
                 ["result"], registry=registry,
+            ),
+            early_withheld=Counter(
+                "pdgate_early_first_tokens_withheld",
+                "Streams eligible for the prefill engine's token first that kept the plain "
+                "flow, by reason (partial_character: the token is part of a character; "
+                "full_block: the prompt may fill the prefill engine's KV blocks exactly)",
+                ["reason"], registry=registry,
             ),
         )
 

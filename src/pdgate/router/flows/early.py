@@ -106,11 +106,17 @@ class FirstToken:
 
 class FirstTokenCheck:
     """Verifies P's first token before a client gets it (see the module doc). `refused`
-    counts each token that failed, by reason (`prompt_ids`, `first_token`)."""
+    counts each token that failed, by reason (`prompt_ids`, `first_token`); `withheld`
+    each sound one that still keeps the plain flow, by reason (`partial_character`: it is
+    part of a character; `full_block`: P's blocks may be exactly full). Those streams get
+    D's first token after the transfer instead of P's at once, tens of ms later: an
+    operator reading a bimodal TTFT finds why here."""
 
-    def __init__(self, tokenizer: TokenText | None, refused: Callable[[str], None]) -> None:
+    def __init__(self, tokenizer: TokenText | None, refused: Callable[[str], None],
+                 withheld: Callable[[str], None] = lambda reason: None) -> None:
         self._tok = tokenizer
         self._refused = refused
+        self._withheld = withheld
 
     def listed(self, req: ClientRequest, reply: PrefillReply) -> FirstToken | None:
         """P's token from the ids it listed (`return_token_ids`), or None: the plain flow."""
@@ -123,10 +129,16 @@ class FirstTokenCheck:
             self._refused("prompt_ids")
             return None
         text = self._text(req, reply, token_ids, prompt_ids)
+        if text is None:
+            return None  # refused, counted
         # No text, or a replacement character: P's token is part of a split character
         # (vLLM holds such a token's text back). Given the prompt as ids ending in such a
         # token, vLLM's decode engine streamed the whole prompt's text back before its own.
-        if not text or PARTIAL_CHAR in text or not reply.room_in_last_block(len(prompt_ids)):
+        if not text or PARTIAL_CHAR in text:
+            self._withheld("partial_character")
+            return None
+        if not reply.room_in_last_block(len(prompt_ids)):
+            self._withheld("full_block")
             return None
         return FirstToken(reply, text, token_ids, prompt_ids)
 

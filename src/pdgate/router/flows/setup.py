@@ -63,8 +63,11 @@ async def open_flows(
     def refused(reason: str) -> None:
         m.child(m.engine_answers_refused, reason).inc()
 
+    def withheld(reason: str) -> None:
+        metrics.early_withheld.labels(reason).inc()
+
     parts.engines.set_refusal_listener(refused)
-    early = FirstTokenCheck(tokenizer, refused) if config.early_first_token else None
+    early = FirstTokenCheck(tokenizer, refused, withheld) if config.early_first_token else None
     pull = PullFlow(parts, metrics, early)
     if config.pd_mode in ("pull", "colocated"):
         return pull, pull

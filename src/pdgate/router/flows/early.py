@@ -113,7 +113,7 @@ class FirstTokenCheck:
     operator reading a bimodal TTFT finds why here."""
 
     def __init__(self, tokenizer: TokenText | None, refused: Callable[[str], None],
-                 withheld: Callable[[str], None] = lambda reason: None) -> None:
+                 withheld: Callable[[str], None]) -> None:
         self._tok = tokenizer
         self._refused = refused
         self._withheld = withheld
